@@ -1,0 +1,100 @@
+"""Configuration of a NeuroAda adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+import torch
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Per-architecture defaults used when `target_modules` is left as None (same role as peft's
+# TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING tables). Unknown architectures fall back to LLAMA_STYLE_TARGETS.
+TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
+    **{
+        model_type: LLAMA_STYLE_TARGETS
+        for model_type in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2")
+    },
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "bert": ["query", "key", "value", "dense"],
+    "roberta": ["query", "key", "value", "dense"],
+}
+
+DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class NeuroAdaConfig(PeftConfig):
+    """Configuration for [`NeuroAdaModel`].
+
+    Every neuron (output row) of each targeted linear layer gets `k` trainable deltas placed on its `k` largest-magnitude
+    input connections. The frozen weight is never copied; only `k` values and `k` integer indices are stored per row.
+
+    Args:
+        k: Number of input connections tuned per neuron (the paper uses 1 and 20). A layer with fewer inputs than `k`
+            uses all of its inputs and a warning is emitted (the clipped `k` is visible in the saved index shapes).
+        target_modules: Module names or a regex to adapt; `"all-linear"` adapts every linear layer except the output
+            head. `None` picks the architecture default (q/k/v/o/gate/up/down for Llama-style models).
+        exclude_modules: Module names or a regex to leave untouched.
+        layers_to_transform: Layer indices to adapt (all when None).
+        layers_pattern: Name of the layer list used with `layers_to_transform` (e.g. `"layers"`, `"h"`).
+        fan_in_fan_out: True for layers that store their weight as (in, out), like GPT-2's `Conv1D`. Detected and
+            corrected automatically with a warning.
+        init_weights: True (default) starts every delta at zero, so the adapted model equals the base model. False
+            draws small random deltas, which is only useful for tests.
+        bias: Only `"none"` is supported: NeuroAda never trains biases.
+        delta_dtype: Storage dtype of the deltas (`"float32"`, `"bfloat16"`, `"float16"`). None keeps peft's
+            behaviour: deltas follow the base weight dtype and are upcast to float32 unless `autocast_adapter_dtype`
+            is False.
+        inplace_forward: When True (default) the forward pass writes the deltas into the frozen weight for the
+            duration of one matmul and restores the exact original values afterwards, so training costs no more than
+            a frozen model. It is used only for plain, unsharded, frozen dense weights outside `torch.compile`; other
+            cases use a separate sparse bypass automatically. Set False when the same layer may run in several
+            threads at once or its weight is shared with another module.
+        modules_to_save: Extra modules (e.g. a classification head) trained fully and saved with the adapter.
+    """
+
+    k: int = field(default=1, metadata={"help": "Number of input connections tuned per neuron."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or regex to adapt; 'all-linear' for every linear layer."}
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or regex to exclude."}
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Layer indices to adapt."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Layer list name used with layers_to_transform."}
+    )
+    fan_in_fan_out: bool = field(default=False, metadata={"help": "True if the layer stores weight as (in, out)."})
+    init_weights: bool = field(default=True, metadata={"help": "Zero deltas (True) or small random ones for tests."})
+    bias: Literal["none"] = field(default="none", metadata={"help": "NeuroAda trains no biases."})
+    delta_dtype: Optional[str] = field(default=None, metadata={"help": "float32, bfloat16 or float16."})
+    inplace_forward: bool = field(
+        default=True, metadata={"help": "Fold deltas into the frozen weight during each matmul (restored exactly)."}
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Extra modules trained fully and saved with the adapter."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PeftType["NEUROADA"]
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}); the paper uses 1 or 20.")
+        if self.bias != "none":
+            raise ValueError(f"NeuroAdaConfig.bias must be 'none' (got {self.bias!r}): NeuroAda never trains biases.")
+        if self.delta_dtype is not None and self.delta_dtype not in DELTA_DTYPES:
+            raise ValueError(
+                f"NeuroAdaConfig.delta_dtype must be one of {sorted(DELTA_DTYPES)} or None (got {self.delta_dtype!r})."
+            )
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")

@@ -1,0 +1,162 @@
+"""NeuroAda tuner layer: a frozen linear layer plus k trainable deltas per neuron."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import DELTA_DTYPES
+from .functional import InplaceMergedLinear, SparseBypass, add_deltas_, restore_
+from .selection import select_top_magnitude
+
+# Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
+_TEST_INIT_STD = 0.05
+
+
+class NeuroAdaLayer(BaseTunerLayer):
+    """Adapter state of one layer, per adapter name: `neuroada_delta` (d_out, k) and `neuroada_indices` (d_out, k)."""
+
+    adapter_layer_names = ("neuroada_delta",)
+    other_param_names = ("neuroada_indices", "inplace_forward")
+
+    def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.fan_in_fan_out = fan_in_fan_out
+        self.neuroada_delta = nn.ParameterDict({})
+        self.neuroada_indices = BufferDict({}, persistent=True)
+        self.inplace_forward: dict[str, bool] = {}
+        # Original weight entries overwritten by each merged adapter: unmerge writes them back bit-exactly.
+        self._merge_originals: dict[str, torch.Tensor] = {}
+        self._disable_adapters = False
+        self.merged_adapters = []
+        self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
+        self.kwargs = kwargs
+
+    def weight_out_in(self) -> torch.Tensor:
+        """The frozen weight as a (d_out, d_in) view, whatever the layer's storage layout."""
+        weight = self.get_base_layer().weight
+        return weight.T if self.fan_in_fan_out else weight
+
+    def update_layer(
+        self,
+        adapter_name: str,
+        k: int,
+        init_weights: bool = True,
+        delta_dtype: Optional[str] = None,
+        inplace_forward: bool = True,
+        inference_mode: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        weight = self.weight_out_in()
+        if k > self.in_features:
+            warnings.warn(
+                f"NeuroAda k={k} exceeds the {self.in_features} inputs of a {type(self.get_base_layer()).__name__} "
+                f"layer; using k={self.in_features} (every input) for it."
+            )
+            k = self.in_features
+        indices = select_top_magnitude(weight, k)
+        if delta_dtype is not None:
+            dtype = DELTA_DTYPES[delta_dtype]
+        else:
+            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        delta = torch.zeros(self.out_features, k, dtype=dtype, device=weight.device)
+        if not init_weights:
+            delta.normal_(std=_TEST_INIT_STD)
+        self.neuroada_delta[adapter_name] = nn.Parameter(delta)
+        self.neuroada_indices[adapter_name] = indices
+        self.inplace_forward[adapter_name] = inplace_forward
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        if delta_dtype is not None:
+            self.neuroada_delta[adapter_name] = nn.Parameter(self.neuroada_delta[adapter_name].to(dtype))
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
+        delta = self.neuroada_delta[adapter_name]
+        dense = torch.zeros(self.out_features, self.in_features, dtype=delta.dtype, device=delta.device)
+        dense.scatter_(1, self.neuroada_indices[adapter_name].long(), delta.detach())
+        return dense.T if self.fan_in_fan_out else dense
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Add the deltas into the base weight, keeping the k overwritten entries per row for an exact unmerge.
+
+        With `safe_merge=True` the merged entries are checked first and nothing is written if any is NaN or inf.
+        """
+        weight = self.weight_out_in()
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in self.neuroada_delta:
+                continue
+            indices, delta = self.neuroada_indices[name], self.neuroada_delta[name]
+            if safe_merge:
+                merged_entries = weight.gather(1, indices.long()) + delta.detach().to(weight.dtype)
+                if not torch.isfinite(merged_entries).all():
+                    raise ValueError(
+                        f"Refusing to merge adapter '{name}': merging it would put NaN/inf values into the base "
+                        "weight. The adapter's deltas are broken (check the training loss and learning rate)."
+                    )
+            with torch.no_grad():
+                (self._merge_originals[name],) = add_deltas_(weight, [indices], [delta])
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Restore the exact original weight entries, most recently merged adapter first."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        weight = self.weight_out_in()
+        with torch.no_grad():
+            while self.merged_adapters:
+                name = self.merged_adapters.pop()
+                restore_(weight, [self.neuroada_indices[name]], [self._merge_originals.pop(name)])
+
+    def _inplace_forward_is_safe(self, adapter_names: list[str]) -> bool:
+        """Whether the weight can be modified for the duration of one matmul (see `NeuroAdaConfig.inplace_forward`)."""
+        base = self.get_base_layer()
+        weight = base.weight
+        return (
+            all(self.inplace_forward[name] for name in adapter_names)
+            and (type(base) is nn.Linear or type(base) is Conv1D)
+            and type(weight) in (nn.Parameter, torch.Tensor)
+            and weight.dtype.is_floating_point
+            and not weight.is_meta
+            and not weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad)
+            and not (base._forward_hooks or base._forward_pre_hooks)
+            and not torch.compiler.is_compiling()
+        )
+
+
+class Linear(nn.Module, NeuroAdaLayer):
+    """NeuroAda around `nn.Linear` (weight d_out x d_in) or transformers' `Conv1D` (weight d_in x d_out)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
+        super().__init__()
+        NeuroAdaLayer.__init__(self, base_layer, fan_in_fan_out=fan_in_fan_out)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, **kwargs)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        active = [name for name in self.active_adapters if name in self.neuroada_delta]
+        if self.merged or not active:
+            return self.base_layer(x, *args, **kwargs)
+        indices = tuple(self.neuroada_indices[name] for name in active)
+        deltas = [self.neuroada_delta[name] for name in active]
+        if self._inplace_forward_is_safe(active):
+            return InplaceMergedLinear.apply(x, self.weight_out_in(), self.get_base_layer().bias, indices, *deltas)
+        result = self.base_layer(x, *args, **kwargs)
+        for idx, delta in zip(indices, deltas):
+            result = result + SparseBypass.apply(x, idx, delta).to(result.dtype)
+        return result
+
+    def __repr__(self) -> str:
+        return "neuroada." + super().__repr__()

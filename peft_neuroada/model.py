@@ -1,0 +1,132 @@
+"""NeuroAdaModel: wires NeuroAda layers into a model and checks adapters against it on load."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import LLAMA_STYLE_TARGETS, TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
+from .layer import Linear, NeuroAdaLayer
+from .registration import PREFIX
+
+
+class NeuroAdaModel(BaseTuner):
+    """Creates a NeuroAda model from a pretrained transformers model.
+
+    Example:
+        ```py
+        >>> import peft_neuroada
+        >>> from peft import get_peft_model
+        >>> model = get_peft_model(base_model, peft_neuroada.NeuroAdaConfig(k=1))
+        >>> model.print_trainable_parameters()
+        ```
+    """
+
+    prefix: str = PREFIX
+    tuner_layer_cls = NeuroAdaLayer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
+
+    def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
+        if peft_config.target_modules is None:
+            defaults = self.target_module_mapping.get(model_config.get("model_type"), LLAMA_STYLE_TARGETS)
+            peft_config.target_modules = set(defaults)
+        return peft_config
+
+    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        # Tags end up in the model card written by save_pretrained / push_to_hub.
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(["neuroada", "peft-neuroada"])
+
+    def _create_and_replace(
+        self,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        layer_kwargs = {
+            "k": config.k,
+            "init_weights": config.init_weights,
+            "delta_dtype": config.delta_dtype,
+            "inplace_forward": config.inplace_forward,
+        }
+        if isinstance(target, NeuroAdaLayer):
+            target.update_layer(adapter_name, **layer_kwargs)
+            return
+        new_module = self._create_new_module(config, adapter_name, target, current_key, **layer_kwargs)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    @staticmethod
+    def _create_new_module(
+        config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str, **layer_kwargs: Any
+    ) -> Linear:
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, Conv1D):
+            fan_in_fan_out = True
+        elif isinstance(base, nn.Linear):
+            fan_in_fan_out = False
+        else:
+            raise TypeError(
+                f"NeuroAda cannot adapt module '{current_key}' of type {type(base).__name__}: only torch.nn.Linear "
+                "and transformers' Conv1D are supported. Remove it from target_modules or add it to exclude_modules."
+            )
+        if fan_in_fan_out != config.fan_in_fan_out:
+            warnings.warn(
+                f"fan_in_fan_out={config.fan_in_fan_out} does not match module '{current_key}' "
+                f"({type(base).__name__}); using fan_in_fan_out={fan_in_fan_out} for it."
+            )
+        return Linear(target, adapter_name, fan_in_fan_out=fan_in_fan_out, **layer_kwargs)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # An explicit delta_dtype is the user's choice and must survive peft's float32 upcast.
+        if self.peft_config[adapter_name].delta_dtype is None:
+            super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        for name, module in model.named_modules():
+            if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
+                _check_adapter_fits_layer(name, module, adapter_name, remapped)
+        return remapped
+
+
+def _check_adapter_fits_layer(
+    name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """Validate a layer's saved indices and deltas before loading, and cast indices to the layer's index dtype."""
+    indices_key = f"{name}.neuroada_indices.{adapter_name}"
+    delta_key = f"{name}.neuroada_delta.{adapter_name}"
+    if indices_key not in state_dict:
+        return
+    expected = tuple(layer.neuroada_indices[adapter_name].shape)
+    for key in (indices_key, delta_key):
+        if key in state_dict and tuple(state_dict[key].shape) != expected:
+            raise ValueError(
+                f"The NeuroAda adapter does not fit the base model at layer '{name}': '{key.rsplit('.', 2)[-2]}' "
+                f"has shape {tuple(state_dict[key].shape)}, but this layer ({layer.out_features} outputs, "
+                f"{layer.in_features} inputs, k={expected[1]}) needs {expected}. Load the adapter on the base model "
+                "it was trained on."
+            )
+    indices = state_dict[indices_key]
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise ValueError(f"The NeuroAda adapter's indices for layer '{name}' have dtype {indices.dtype}, not integer.")
+    if indices.numel() and not indices.is_meta and (indices.min() < 0 or indices.max() >= layer.in_features):
+        raise ValueError(
+            f"The NeuroAda adapter does not fit the base model at layer '{name}': its indices range over "
+            f"[{int(indices.min())}, {int(indices.max())}] but the layer has only {layer.in_features} inputs. "
+            "Load the adapter on the base model it was trained on."
+        )
+    state_dict[indices_key] = indices.to(layer.neuroada_indices[adapter_name].dtype)

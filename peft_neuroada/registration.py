@@ -1,0 +1,44 @@
+"""Teach peft about the NEUROADA method.
+
+peft keeps its method names in a closed ``PeftType`` enum, so a plugin has to add its member before calling
+``register_peft_method``. Both steps are idempotent: importing the package twice (or reloading it) is harmless.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+from peft.utils import PeftType, register_peft_method
+
+METHOD_NAME = "neuroada"
+PREFIX = "neuroada_"
+
+
+def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
+    """Add ``name = value`` to an existing str-Enum, the way ``EnumType`` would have at class creation."""
+    if name in enum_cls.__members__:
+        return enum_cls[name]
+    member = str.__new__(enum_cls, value)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = enum_cls
+    member.__init__(value)
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_names_.append(name)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    return member
+
+
+def register() -> PeftType:
+    """Register NEUROADA with peft (once) and return its ``PeftType`` member."""
+    from .config import NeuroAdaConfig
+    from .model import NeuroAdaModel
+
+    peft_type = _add_enum_member(PeftType, METHOD_NAME.upper(), METHOD_NAME.upper())
+    if peft_type not in PEFT_TYPE_TO_TUNER_MAPPING:
+        register_peft_method(
+            name=METHOD_NAME, config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel, prefix=PREFIX, is_mixed_compatible=True
+        )
+    return peft_type

