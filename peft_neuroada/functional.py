@@ -61,7 +61,8 @@ def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, idx: torch.Tens
     d_out, d_in = idx.shape[0], x2d.shape[1]
     row_offsets = torch.arange(0, d_out * k + 1, k, device=idx.device)
     pattern = torch.sparse_csr_tensor(
-        row_offsets, idx.reshape(-1), torch.zeros(d_out * k, device=idx.device), size=(d_out, d_in)
+        row_offsets, idx.reshape(-1), torch.zeros(d_out * k, device=idx.device), size=(d_out, d_in),
+        check_invariants=False,
     )
     sampled = torch.sparse.sampled_addmm(pattern, grad2d.T.float(), x2d.float(), beta=0.0)
     return sampled.values().view(d_out, k)

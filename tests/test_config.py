@@ -1,0 +1,123 @@
+"""Registration with peft, configuration defaults and validation, and which modules get adapted."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+from peft import PeftConfig, PeftType, get_peft_model
+from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+from torch import nn
+
+import peft_neuroada
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, NeuroAdaModel
+from tests.conftest import tiny_bert, tiny_gpt2, tiny_llama
+
+
+def adapted_names(model) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+
+
+def test_import_registers_neuroada_peft_type():
+    assert PeftType.NEUROADA.value == "NEUROADA"
+    assert PeftType("NEUROADA") is PeftType.NEUROADA
+    assert PEFT_TYPE_TO_CONFIG_MAPPING[PeftType.NEUROADA] is NeuroAdaConfig
+    assert PEFT_TYPE_TO_TUNER_MAPPING[PeftType.NEUROADA] is NeuroAdaModel
+
+
+def test_registering_again_is_harmless():
+    members_before = list(PeftType)
+    assert peft_neuroada.register() is PeftType.NEUROADA
+    importlib.reload(importlib.import_module("peft_neuroada.registration")).register()
+    assert list(PeftType) == members_before
+    assert sum(member is PeftType.NEUROADA for member in PeftType) == 1
+
+
+def test_config_roundtrips_through_json(tmp_path):
+    config = NeuroAdaConfig(k=20, target_modules=["q_proj"], delta_dtype="bfloat16")
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "NEUROADA" and saved["k"] == 20
+    loaded = PeftConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, NeuroAdaConfig)
+    assert (loaded.k, loaded.target_modules, loaded.delta_dtype) == (20, {"q_proj"}, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"k": 0}, "k must be a positive integer"),
+        ({"k": 2.5}, "k must be a positive integer"),
+        ({"bias": "all"}, "bias must be 'none'"),
+        ({"delta_dtype": "int8"}, "delta_dtype must be one of"),
+        ({"layers_pattern": "layers"}, "only has an effect together with layers_to_transform"),
+    ],
+)
+def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NeuroAdaConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("make_model", "expected"),
+    [
+        (tiny_llama, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+        (tiny_gpt2, {"c_attn", "c_proj", "c_fc"}),
+        (tiny_bert, {"query", "key", "value", "dense"}),
+    ],
+    ids=["llama", "gpt2", "bert"],
+)
+def test_architecture_default_targets(make_model, expected):
+    model = get_peft_model(make_model(), NeuroAdaConfig())
+    assert adapted_names(model) == expected
+
+
+def test_gpt2_conv1d_layers_use_fan_in_fan_out_automatically():
+    with pytest.warns(UserWarning, match="fan_in_fan_out=False does not match Conv1D layers"):
+        model = get_peft_model(tiny_gpt2(), NeuroAdaConfig())
+    c_attn = model.base_model.model.transformer.h[0].attn.c_attn
+    assert c_attn.fan_in_fan_out and c_attn.neuroada_delta["default"].shape == (96, 1)
+
+
+def test_all_linear_adapts_every_linear_layer_except_the_output_head():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(target_modules="all-linear"))
+    assert adapted_names(model) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not isinstance(model.base_model.model.lm_head, NeuroAdaLayer)
+
+
+def test_exclude_modules_and_layers_to_transform_narrow_the_targets():
+    model = get_peft_model(
+        tiny_llama(), NeuroAdaConfig(exclude_modules=["down_proj"], layers_to_transform=[1], layers_pattern="layers")
+    )
+    adapted = [name for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)]
+    assert adapted and all(".layers.1." in name for name in adapted)
+    assert not any(name.endswith("down_proj") for name in adapted)
+
+
+def test_unsupported_module_type_is_refused_with_its_name():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Embedding(10, 8))
+    with pytest.raises(TypeError, match="cannot adapt module '1' of type Embedding"):
+        get_peft_model(model, NeuroAdaConfig(target_modules=["1"]))
+
+
+def test_k_larger_than_layer_inputs_is_clipped_with_a_warning():
+    model = nn.Sequential(nn.Linear(4, 6))
+    with pytest.warns(UserWarning, match="k=20 exceeds the 4 inputs"):
+        peft_model = get_peft_model(model, NeuroAdaConfig(k=20, target_modules=["0"]))
+    layer = peft_model.base_model.model[0]
+    assert layer.neuroada_delta["default"].shape == (6, 4)
+    assert sorted(layer.neuroada_indices["default"][0].tolist()) == [0, 1, 2, 3]
+
+
+def test_explicit_delta_dtype_survives_peft_upcast():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(delta_dtype="bfloat16"))
+    deltas = [p for n, p in model.named_parameters() if "neuroada_delta" in n]
+    assert deltas and all(p.dtype == torch.bfloat16 for p in deltas)
+
+
+def test_half_precision_base_gets_float32_deltas_by_default():
+    model = get_peft_model(tiny_llama().to(torch.bfloat16), NeuroAdaConfig())
+    deltas = [p for n, p in model.named_parameters() if "neuroada_delta" in n]
+    assert deltas and all(p.dtype == torch.float32 for p in deltas)

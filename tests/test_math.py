@@ -1,0 +1,142 @@
+"""The sparse bypass computes exactly `W x + b + (P ⊙ Θ) x`, with gradients only for Θ, on every path and dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from peft_neuroada.layer import Linear
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
+PATHS = {"inplace": True, "bypass": False}
+
+
+def make_layer(k=3, dtype=torch.float32, path="inplace", conv1d=False, device="cpu", d_in=24, d_out=16) -> Linear:
+    torch.manual_seed(0)
+    base = Conv1D(d_out, d_in) if conv1d else nn.Linear(d_in, d_out)
+    nn.init.normal_(base.weight)
+    nn.init.normal_(base.bias)
+    base = base.to(device=device, dtype=dtype).requires_grad_(False)
+    return Linear(base, "default", fan_in_fan_out=conv1d, k=k, init_weights=False, inplace_forward=PATHS[path])
+
+
+def dense_delta(layer: Linear, adapter: str = "default") -> torch.Tensor:
+    """Θ scattered into a (d_out, d_in) float32 matrix: the reference the tests compare against."""
+    indices, delta = layer.neuroada_indices[adapter], layer.neuroada_delta[adapter]
+    dense = torch.zeros(layer.out_features, layer.in_features, device=delta.device)
+    return dense.scatter_(1, indices.long(), delta.detach().float())
+
+
+def dense_reference(layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of an ordinary float32 linear layer with weight W + scatter(Θ), and that weight as a leaf tensor."""
+    merged = (layer.weight_out_in().detach().float() + dense_delta(layer)).requires_grad_(True)
+    return torch.nn.functional.linear(x.float(), merged, layer.get_base_layer().bias.float()), merged
+
+
+def inputs(layer: Linear, tokens: int = 5) -> torch.Tensor:
+    torch.manual_seed(1)
+    weight = layer.get_base_layer().weight
+    return torch.randn(2, tokens, layer.in_features, device=weight.device, dtype=weight.dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_dense_reference(dtype, path, conv1d, device):
+    layer = make_layer(dtype=dtype, path=path, conv1d=conv1d, device=device)
+    x = inputs(layer)
+    reference, _ = dense_reference(layer, x)
+    torch.testing.assert_close(layer(x).float(), reference, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 5, 24], ids=["k1", "k5-sampled-matmul", "k-all"])
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("path", PATHS)
+def test_delta_gradient_is_dense_weight_gradient_at_selected_positions(path, conv1d, k, device):
+    layer = make_layer(k=k, path=path, conv1d=conv1d, device=device)
+    x = inputs(layer)
+    grad_out = torch.randn(2, 5, layer.out_features, device=device)
+    layer(x).backward(grad_out)
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference, merged = dense_reference(layer, x_ref)
+    reference.backward(grad_out)
+    indices = layer.neuroada_indices["default"].long()
+    torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad.gather(1, indices))
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert layer.get_base_layer().weight.grad is None
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_unmerged_output_equals_merged_output(dtype, path):
+    layer = make_layer(dtype=dtype, path=path)
+    x = inputs(layer).detach()
+    unmerged = layer(x)
+    layer.merge()
+    merged = layer(x)
+    if path == "inplace":
+        assert torch.equal(unmerged, merged), "the in-place path runs the very matmul a merged layer runs"
+    torch.testing.assert_close(unmerged, merged, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_training_step_leaves_frozen_weight_bit_identical(dtype):
+    layer = make_layer(dtype=dtype)
+    original = layer.get_base_layer().weight.detach().clone()
+    layer(inputs(layer)).sum().backward()
+    assert torch.equal(layer.get_base_layer().weight, original)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_keeps_nothing_weight_sized(path):
+    """Backward keeps the layer input, Θ, the indices and at most a reference to the frozen weight: no copy of it,
+    no dense delta, no mask."""
+    layer = make_layer(k=2, path=path, d_in=64, d_out=48)
+    x = inputs(layer, tokens=3)
+    saved: list[torch.Tensor] = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        out = layer(x)
+    weight = layer.get_base_layer().weight
+    adapter_tensors = (x, weight, layer.neuroada_delta["default"], layer.neuroada_indices["default"])
+    allowed = {t.untyped_storage().data_ptr() for t in adapter_tensors}
+    assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
+    assert {t.data_ptr() for t in saved} <= allowed
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_cpu_autocast_bfloat16_trains_float32_deltas(path):
+    layer = make_layer(path=path)
+    x = inputs(layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    delta = layer.neuroada_delta["default"]
+    assert delta.grad is not None and delta.grad.dtype == torch.float32
+    reference, merged = dense_reference(layer, x.detach())
+    reference.sum().backward()
+    expected = merged.grad.gather(1, layer.neuroada_indices["default"].long())
+    torch.testing.assert_close(delta.grad, expected, rtol=5e-2, atol=5e-2)
+
+
+def test_overlapping_adapters_unmerge_restores_weight_bit_exactly():
+    layer = make_layer(k=4)
+    layer.update_layer("other", k=4, init_weights=False)
+    original = layer.get_base_layer().weight.detach().clone()
+    for _ in range(3):
+        layer.merge(adapter_names=["default", "other"])
+        assert not torch.equal(layer.get_base_layer().weight, original)
+        layer.unmerge()
+        assert torch.equal(layer.get_base_layer().weight, original)
