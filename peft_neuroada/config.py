@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import torch
 from peft.config import PeftConfig
@@ -30,8 +30,9 @@ DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class NeuroAdaConfig(PeftConfig):
     """Configuration for [`NeuroAdaModel`].
 
-    Every neuron (output row) of each targeted linear layer gets `k` trainable deltas placed on its `k` largest-magnitude
-    input connections. The frozen weight is never copied; only `k` values and `k` integer indices are stored per row.
+    Every neuron (output row) of each targeted linear layer gets `k` trainable deltas placed on its `k`
+    largest-magnitude input connections. The frozen weight is never copied; only `k` values and `k` integer indices
+    are stored per row.
 
     Args:
         k: Number of input connections tuned per neuron (the paper uses 1 and 20). A layer with fewer inputs than `k`
@@ -58,26 +59,24 @@ class NeuroAdaConfig(PeftConfig):
     """
 
     k: int = field(default=1, metadata={"help": "Number of input connections tuned per neuron."})
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to adapt; 'all-linear' for every linear layer."}
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or regex to exclude."}
     )
-    layers_to_transform: Optional[Union[list[int], int]] = field(
-        default=None, metadata={"help": "Layer indices to adapt."}
-    )
-    layers_pattern: Optional[Union[list[str], str]] = field(
+    layers_to_transform: list[int] | int | None = field(default=None, metadata={"help": "Layer indices to adapt."})
+    layers_pattern: list[str] | str | None = field(
         default=None, metadata={"help": "Layer list name used with layers_to_transform."}
     )
     fan_in_fan_out: bool = field(default=False, metadata={"help": "True if the layer stores weight as (in, out)."})
     init_weights: bool = field(default=True, metadata={"help": "Zero deltas (True) or small random ones for tests."})
     bias: Literal["none"] = field(default="none", metadata={"help": "NeuroAda trains no biases."})
-    delta_dtype: Optional[str] = field(default=None, metadata={"help": "float32, bfloat16 or float16."})
+    delta_dtype: str | None = field(default=None, metadata={"help": "float32, bfloat16 or float16."})
     inplace_forward: bool = field(
         default=True, metadata={"help": "Fold deltas into the frozen weight during each matmul (restored exactly)."}
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Extra modules trained fully and saved with the adapter."}
     )
 

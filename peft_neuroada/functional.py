@@ -27,7 +27,7 @@ _GATHER_LOOP_MAX_K = 4
 def add_deltas_(weight: torch.Tensor, indices: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> list:
     """Add each delta into `weight` (d_out, d_in view) at its indices; return the overwritten originals, in order."""
     originals = []
-    for idx, delta in zip(indices, deltas):
+    for idx, delta in zip(indices, deltas, strict=True):
         idx = idx.long()
         originals.append(weight.gather(1, idx))
         weight.scatter_add_(1, idx, delta.detach().to(weight.dtype))
@@ -36,7 +36,7 @@ def add_deltas_(weight: torch.Tensor, indices: Sequence[torch.Tensor], deltas: S
 
 def restore_(weight: torch.Tensor, indices: Sequence[torch.Tensor], originals: Sequence[torch.Tensor]) -> None:
     """Undo `add_deltas_` exactly by writing the originals back in reverse order (positions may overlap)."""
-    for idx, original in zip(reversed(indices), reversed(originals)):
+    for idx, original in zip(reversed(indices), reversed(originals), strict=True):
         weight.scatter_(1, idx.long(), original)
 
 
@@ -61,7 +61,10 @@ def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, idx: torch.Tens
     d_out, d_in = idx.shape[0], x2d.shape[1]
     row_offsets = torch.arange(0, d_out * k + 1, k, device=idx.device)
     pattern = torch.sparse_csr_tensor(
-        row_offsets, idx.reshape(-1), torch.zeros(d_out * k, device=idx.device), size=(d_out, d_in),
+        row_offsets,
+        idx.reshape(-1),
+        torch.zeros(d_out * k, device=idx.device),
+        size=(d_out, d_in),
         check_invariants=False,
     )
     sampled = torch.sparse.sampled_addmm(pattern, grad2d.T.float(), x2d.float(), beta=0.0)
@@ -93,7 +96,7 @@ class InplaceMergedLinear(torch.autograd.Function):
         x2d, grad2d = _flatten(x), _flatten(grad_out)
         grad_deltas = [
             sampled_weight_grad(x2d, grad2d, idx).to(delta.dtype) if needs else None
-            for idx, delta, needs in zip(ctx.indices, deltas, ctx.needs_input_grad[4:])
+            for idx, delta, needs in zip(ctx.indices, deltas, ctx.needs_input_grad[4:], strict=True)
         ]
         return grad_x, None, None, None, *grad_deltas
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -48,7 +48,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         adapter_name: str,
         k: int,
         init_weights: bool = True,
-        delta_dtype: Optional[str] = None,
+        delta_dtype: str | None = None,
         inplace_forward: bool = True,
         inference_mode: bool = False,
         **kwargs: Any,
@@ -57,7 +57,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         if k > self.in_features:
             warnings.warn(
                 f"NeuroAda k={k} exceeds the {self.in_features} inputs of a {type(self.get_base_layer()).__name__} "
-                f"layer; using k={self.in_features} (every input) for it."
+                f"layer; using k={self.in_features} (every input) for it.",
+                stacklevel=2,
             )
             k = self.in_features
         indices = select_top_magnitude(weight, k)
@@ -83,7 +84,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         dense.scatter_(1, self.neuroada_indices[adapter_name].long(), delta.detach())
         return dense.T if self.fan_in_fan_out else dense
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Add the deltas into the base weight, keeping the k overwritten entries per row for an exact unmerge.
 
         With `safe_merge=True` the merged entries are checked first and nothing is written if any is NaN or inf.
@@ -107,7 +108,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     def unmerge(self) -> None:
         """Restore the exact original weight entries, most recently merged adapter first."""
         if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.")
+            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
         weight = self.weight_out_in()
         with torch.no_grad():
@@ -154,7 +155,7 @@ class Linear(nn.Module, NeuroAdaLayer):
         if self._inplace_forward_is_safe(active):
             return InplaceMergedLinear.apply(x, self.weight_out_in(), self.get_base_layer().bias, indices, *deltas)
         result = self.base_layer(x, *args, **kwargs)
-        for idx, delta in zip(indices, deltas):
+        for idx, delta in zip(indices, deltas, strict=True):
             result = result + SparseBypass.apply(x, idx, delta).to(result.dtype)
         return result
 

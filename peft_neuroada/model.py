@@ -83,7 +83,8 @@ class NeuroAdaModel(BaseTuner):
         if fan_in_fan_out != config.fan_in_fan_out:
             warnings.warn(
                 f"fan_in_fan_out={config.fan_in_fan_out} does not match {type(base).__name__} layers; "
-                f"using fan_in_fan_out={fan_in_fan_out} for them."
+                f"using fan_in_fan_out={fan_in_fan_out} for them.",
+                stacklevel=2,
             )
         return Linear(target, adapter_name, fan_in_fan_out=fan_in_fan_out, **layer_kwargs)
 

@@ -39,6 +39,10 @@ def register() -> PeftType:
     peft_type = _add_enum_member(PeftType, METHOD_NAME.upper(), METHOD_NAME.upper())
     if peft_type not in PEFT_TYPE_TO_TUNER_MAPPING:
         register_peft_method(
-            name=METHOD_NAME, config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel, prefix=PREFIX, is_mixed_compatible=True
+            name=METHOD_NAME,
+            config_cls=NeuroAdaConfig,
+            model_cls=NeuroAdaModel,
+            prefix=PREFIX,
+            is_mixed_compatible=True,
         )
     return peft_type
