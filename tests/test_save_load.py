@@ -1,0 +1,155 @@
+"""Adapters save as k values + k indices per neuron, reload bit-exactly, and refuse base models they do not fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from huggingface_hub.errors import EntryNotFoundError
+from peft import (
+    AutoPeftModelForCausalLM,
+    PeftConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
+from tests.conftest import tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.fixture
+def trained_smollm2_adapter(smollm2, tmp_path):
+    """A k=1 SmolLM2 adapter with non-zero deltas, saved to disk, plus the PeftModel that saved it."""
+    model = get_peft_model(smollm2, NeuroAdaConfig(k=1, init_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    return model, tmp_path / "adapter"
+
+
+def test_saved_adapter_holds_only_deltas_and_compact_indices(trained_smollm2_adapter):
+    model, adapter_dir = trained_smollm2_adapter
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in adapter_dir.iterdir()}
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    assert {key.rsplit(".", 1)[-1] for key in tensors} == {"neuroada_delta", "neuroada_indices"}
+    indices = [t for key, t in tensors.items() if key.endswith("neuroada_indices")]
+    deltas = [t for key, t in tensors.items() if key.endswith("neuroada_delta")]
+    assert all(t.dtype == torch.int16 and t.shape[1] == 1 for t in indices)
+    assert all(t.dtype == torch.float32 for t in deltas)
+    neurons = sum(t.shape[0] for t in deltas)
+    payload = neurons * (4 + 2)
+    size = (adapter_dir / "adapter_model.safetensors").stat().st_size
+    print(f"\nSmolLM2-135M NeuroAda k=1 adapter: {size:,} bytes for {neurons:,} neurons (payload {payload:,} bytes)")
+    header_budget = 160 * len(tensors)  # safetensors' JSON header: name, dtype, shape, offsets per tensor
+    assert payload <= size <= payload + header_budget
+
+
+def test_model_card_names_the_method_and_the_base_model(trained_smollm2_adapter, smollm2_path):
+    _, adapter_dir = trained_smollm2_adapter
+    card = (adapter_dir / "README.md").read_text()
+    assert "neuroada" in card
+    assert f"base_model: {smollm2_path}" in card
+
+
+def test_reload_in_a_fresh_process_reproduces_outputs_bit_exactly(trained_smollm2_adapter, smollm2_path, tmp_path):
+    model, adapter_dir = trained_smollm2_adapter
+    tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    script = f"""
+import torch, peft_neuroada
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained({str(smollm2_path)!r})
+model = PeftModel.from_pretrained(base, {str(adapter_dir)!r}).eval()
+with torch.no_grad():
+    torch.save(model(torch.load({str(tmp_path / "tokens.pt")!r})).logits, {str(tmp_path / "reloaded.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT, capture_output=True)
+    assert torch.equal(torch.load(tmp_path / "reloaded.pt"), logits(model, tokens))
+
+
+def test_peft_config_and_auto_peft_model_load_a_neuroada_adapter(trained_smollm2_adapter, token_batch):
+    model, adapter_dir = trained_smollm2_adapter
+    assert isinstance(PeftConfig.from_pretrained(adapter_dir), NeuroAdaConfig)
+    auto = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)
+    assert torch.equal(logits(auto, token_batch), logits(model, token_batch))
+
+
+def test_low_cpu_mem_usage_loading_gives_the_same_model(trained_smollm2_adapter, smollm2_path, token_batch):
+    model, adapter_dir = trained_smollm2_adapter
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path)
+    loaded = PeftModel.from_pretrained(base, adapter_dir, low_cpu_mem_usage=True)
+    assert not any(p.is_meta for p in loaded.parameters())
+    assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
+
+
+def test_state_dict_helpers_move_an_adapter_between_models(token_batch):
+    source = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+    state = get_peft_model_state_dict(source)
+    assert all(key.endswith(("neuroada_delta", "neuroada_indices")) for key in state)
+    target = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3))
+    result = set_peft_model_state_dict(target, state)
+    assert not result.unexpected_keys
+    assert torch.equal(logits(target, token_batch), logits(source, token_batch))
+
+
+def test_loading_onto_a_differently_shaped_base_names_the_layer(tmp_path):
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    other = LlamaForCausalLM(
+        LlamaConfig(vocab_size=128, hidden_size=40, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    )
+    with pytest.raises(ValueError, match=r"does not fit the base model at layer '.*layers\.0\.self_attn\.q_proj'"):
+        PeftModel.from_pretrained(other, tmp_path)
+
+
+def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch):
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.mlp.down_proj.neuroada_indices"
+    tensors[key][0, 0] = 48
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"layer '.*layers\.1\.mlp\.down_proj'.*\[0, 48\].*only 48 inputs"):
+        PeftModel.from_pretrained(tiny_llama(), tmp_path)
+
+
+def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1, init_weights=False))
+    api = mock.MagicMock()
+    api.create_repo.return_value.repo_id = "me/neuroada-adapter"
+    uploaded: dict[str, bytes] = {}
+
+    def create_commit(**kwargs):
+        uploaded.update({op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in kwargs["operations"]})
+
+    api.create_commit.side_effect = create_commit
+    no_remote_card = mock.patch.object(ModelCard, "load", side_effect=EntryNotFoundError("new repo"))
+    with mock.patch("transformers.utils.hub.hf_api", return_value=api), no_remote_card:
+        model.push_to_hub("me/neuroada-adapter")
+    api.create_repo.assert_called_once()
+    assert set(uploaded) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "NEUROADA"
+    save_file_path = tmp_path / "pushed.safetensors"
+    save_file_path.write_bytes(uploaded["adapter_model.safetensors"])
+    assert load_file(save_file_path).keys() == get_peft_model_state_dict(model).keys()
+
+
+def test_loaded_layers_keep_their_index_dtype(tmp_path):
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
+    assert all(layer.neuroada_indices["default"].dtype == torch.int16 for layer in layers)
