@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,20 @@ def test_loaded_layers_keep_their_index_dtype(tmp_path):
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
     assert all(layer.neuroada_indices["default"].dtype == torch.int16 for layer in layers)
+
+
+def test_installed_package_registers_itself_when_peft_is_imported(tmp_path):
+    """Users who forget `import peft_neuroada` can still load adapters: the installed .pth hook registers NEUROADA."""
+    if not any((Path(site_dir) / "peft_neuroada.pth").exists() for site_dir in site.getsitepackages()):
+        pytest.skip("peft-neuroada is not pip-installed, so its peft_neuroada.pth start-up hook is absent")
+    tiny_llama().save_pretrained(tmp_path / "base")
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path / "adapter")
+    script = """
+import sys
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("base"), "adapter")
+print(type(model.base_model).__name__, "peft_neuroada" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, capture_output=True, text=True)
+    assert done.stdout.split() == ["NeuroAdaModel", "True"]
