@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import get_peft_model, inject_adapter_in_model
+from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import AutoModel, Trainer, TrainingArguments
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import tiny_llama
+from tests.conftest import minilm_path, tiny_bert, tiny_gpt2, tiny_llama
 
 SMOLLM2_TARGET_OUT_FEATURES = {"q_proj": 576, "k_proj": 192, "v_proj": 192, "o_proj": 576}
 SMOLLM2_TARGET_OUT_FEATURES |= {"gate_proj": 1536, "up_proj": 1536, "down_proj": 576}
@@ -19,6 +19,16 @@ SMOLLM2_LAYERS = 30
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens).logits
+
+
+def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Last hidden state (or logits): what every architecture's forward returns first."""
+    with torch.no_grad():
+        return model(tokens)[0]
+
+
+def real_minilm():
+    return AutoModel.from_pretrained(minilm_path()).eval()
 
 
 def neuroada_layers(model) -> list[NeuroAdaLayer]:
@@ -190,3 +200,14 @@ def test_adapter_layers_are_plain_nn_modules_with_a_readable_repr():
     layer = neuroada_layers(get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)))[0]
     assert isinstance(layer, nn.Module)
     assert repr(layer).startswith("neuroada.Linear(")
+
+
+@pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_bert, real_minilm], ids=["gpt2-conv1d", "bert", "minilm"])
+def test_merge_and_reload_agree_across_architectures(make_model, tmp_path):
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    model = get_peft_model(make_model(), NeuroAdaConfig(k=4, init_weights=False))
+    adapted = hidden(model, tokens)
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(make_model(), tmp_path)
+    assert torch.equal(hidden(reloaded, tokens), adapted)
+    torch.testing.assert_close(hidden(reloaded.merge_and_unload(), tokens), adapted, rtol=0, atol=1e-4)
