@@ -9,6 +9,8 @@ import torch
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .selection import STRATEGIES
+
 LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Per-architecture defaults used when `target_modules` is left as None (same role as peft's
@@ -42,6 +44,15 @@ class NeuroAdaConfig(PeftConfig):
         exclude_modules: Module names or a regex to leave untouched.
         layers_to_transform: Layer indices to adapt (all when None).
         layers_pattern: Name of the layer list used with `layers_to_transform` (e.g. `"layers"`, `"h"`).
+        selection: How each neuron's inputs are chosen: `"magnitude"` (largest |w|, the paper's default),
+            `"reverse"` (smallest |w|), `"random"` (uniform, seeded) or `"gradient"` (largest accumulated |grad w|
+            on calibration batches: call `peft_neuroada.select_by_gradient(model, batches)` after `get_peft_model`;
+            until then the magnitude choice stands in). Saved adapters store their indices, so reloading
+            reproduces the selection whatever the strategy.
+        selection_seed: Seed for `random` selection and for `neuron_fraction`; combined with each layer's name, so
+            every layer differs but every process and run agrees.
+        neuron_fraction: Share of neurons per layer that get a bypass (1.0 = all, the paper's setting; smaller values
+            reproduce the coverage ablation). The tuned neurons are drawn at random with `selection_seed`.
         fan_in_fan_out: True for layers that store their weight as (in, out), like GPT-2's `Conv1D`. Detected and
             corrected automatically with a warning.
         init_weights: True (default) starts every delta at zero, so the adapted model equals the base model. False
@@ -69,6 +80,9 @@ class NeuroAdaConfig(PeftConfig):
     layers_pattern: list[str] | str | None = field(
         default=None, metadata={"help": "Layer list name used with layers_to_transform."}
     )
+    selection: str = field(default="magnitude", metadata={"help": f"One of {STRATEGIES}."})
+    selection_seed: int = field(default=0, metadata={"help": "Seed for random selection and neuron_fraction."})
+    neuron_fraction: float = field(default=1.0, metadata={"help": "Share of neurons per layer that are tuned."})
     fan_in_fan_out: bool = field(default=False, metadata={"help": "True if the layer stores weight as (in, out)."})
     init_weights: bool = field(default=True, metadata={"help": "Zero deltas (True) or small random ones for tests."})
     bias: Literal["none"] = field(default="none", metadata={"help": "NeuroAda trains no biases."})
@@ -85,6 +99,10 @@ class NeuroAdaConfig(PeftConfig):
         self.peft_type = PeftType["NEUROADA"]
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}); the paper uses 1 or 20.")
+        if self.selection not in STRATEGIES:
+            raise ValueError(f"NeuroAdaConfig.selection must be one of {STRATEGIES} (got {self.selection!r}).")
+        if not 0.0 < self.neuron_fraction <= 1.0:
+            raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
         if self.bias != "none":
             raise ValueError(f"NeuroAdaConfig.bias must be 'none' (got {self.bias!r}): NeuroAda never trains biases.")
         if self.delta_dtype is not None and self.delta_dtype not in DELTA_DTYPES:

@@ -9,13 +9,14 @@ Two autograd paths share the same primitives:
   (quantized, sharded, trainable, or traced by `torch.compile`).
 
 Both save only the layer input for backward; the delta gradient is the dense weight gradient sampled at the selected
-positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, i] * x[t, idx[i, j]]`.
+positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,51 +25,85 @@ import torch.nn.functional as F
 _GATHER_LOOP_MAX_K = 4
 
 
-def add_deltas_(weight: torch.Tensor, indices: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> list:
-    """Add each delta into `weight` (d_out, d_in view) at its indices; return the overwritten originals, in order."""
+class Placement(NamedTuple):
+    """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
+    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None)."""
+
+    cols: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+def _addressing(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """`(target, dim, index)` such that `target.gather(dim, index)` are the placed entries of `weight`.
+
+    Row-wise 2-D addressing is the fastest; when only some neurons are tuned, the entries are addressed by their flat
+    position in the weight's storage instead (the weight may be a transposed view, as for `Conv1D`).
+    """
+    cols = placement.cols.long()
+    if placement.rows is None:
+        return weight, 1, cols
+    storage = weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
+    positions = placement.rows.long()[:, None] * weight.stride(0) + cols * weight.stride(1)
+    return storage, 0, positions.reshape(-1)
+
+
+def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The entries of `weight` at the placement, flattened in delta order."""
+    target, dim, index = _addressing(weight, placement)
+    return target.gather(dim, index).reshape(-1)
+
+
+def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
+    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals, in order."""
     originals = []
-    for idx, delta in zip(indices, deltas, strict=True):
-        idx = idx.long()
-        originals.append(weight.gather(1, idx))
-        weight.scatter_add_(1, idx, delta.detach().to(weight.dtype))
+    for placement, delta in zip(placements, deltas, strict=True):
+        target, dim, index = _addressing(weight, placement)
+        originals.append(target.gather(dim, index))
+        target.scatter_add_(dim, index, delta.detach().to(weight.dtype).reshape(index.shape))
     return originals
 
 
-def restore_(weight: torch.Tensor, indices: Sequence[torch.Tensor], originals: Sequence[torch.Tensor]) -> None:
+def restore_(weight: torch.Tensor, placements: Sequence[Placement], originals: Sequence[torch.Tensor]) -> None:
     """Undo `add_deltas_` exactly by writing the originals back in reverse order (positions may overlap)."""
-    for idx, original in zip(reversed(indices), reversed(originals), strict=True):
-        weight.scatter_(1, idx.long(), original)
+    for placement, original in zip(reversed(placements), reversed(originals), strict=True):
+        target, dim, index = _addressing(weight, placement)
+        target.scatter_(dim, index, original)
 
 
 @contextmanager
-def deltas_added(weight: torch.Tensor, indices: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor]) -> Iterator:
+def deltas_added(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> Iterator:
     with torch.no_grad():
-        originals = add_deltas_(weight, indices, deltas)
+        originals = add_deltas_(weight, placements, deltas)
     try:
         yield
     finally:
         with torch.no_grad():
-            restore_(weight, indices, originals)
+            restore_(weight, placements, originals)
 
 
-def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`(grad2d.T @ x2d)` sampled at `idx` (d_out, k), in float32, without forming the d_out x d_in product."""
-    idx = idx.long()
-    k = idx.shape[1]
+def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The output columns of the tuned neurons (all of them when `rows` is None)."""
+    return t2d if rows is None else t2d.index_select(1, rows.long())
+
+
+def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The dense weight gradient `grad2d.T @ x2d` sampled at the placement, in float32, without forming it."""
+    grad2d = _tuned_columns(grad2d, placement.rows)
+    cols = placement.cols.long()
+    n, k = cols.shape
     if k <= _GATHER_LOOP_MAX_K or x2d.device.type not in ("cpu", "cuda"):
-        columns = [(x2d.index_select(1, idx[:, j]) * grad2d).sum(0, dtype=torch.float32) for j in range(k)]
+        columns = [(x2d.index_select(1, cols[:, j]) * grad2d).sum(0, dtype=torch.float32) for j in range(k)]
         return torch.stack(columns, dim=1)
-    d_out, d_in = idx.shape[0], x2d.shape[1]
-    row_offsets = torch.arange(0, d_out * k + 1, k, device=idx.device)
+    row_offsets = torch.arange(0, n * k + 1, k, device=cols.device)
     pattern = torch.sparse_csr_tensor(
         row_offsets,
-        idx.reshape(-1),
-        torch.zeros(d_out * k, device=idx.device),
-        size=(d_out, d_in),
+        cols.reshape(-1),
+        torch.zeros(n * k, device=cols.device),
+        size=(n, x2d.shape[1]),
         check_invariants=False,
     )
     sampled = torch.sparse.sampled_addmm(pattern, grad2d.T.float(), x2d.float(), beta=0.0)
-    return sampled.values().view(d_out, k)
+    return sampled.values().view(n, k)
 
 
 def _flatten(t: torch.Tensor) -> torch.Tensor:
@@ -79,11 +114,11 @@ class InplaceMergedLinear(torch.autograd.Function):
     """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, indices, *deltas):
-        with deltas_added(weight, indices, deltas):
+    def forward(ctx, x, weight, bias, placements, *deltas):
+        with deltas_added(weight, placements, deltas):
             out = F.linear(x, weight, bias)
         ctx.save_for_backward(x, *deltas)
-        ctx.weight, ctx.indices = weight, indices
+        ctx.weight, ctx.placements = weight, placements
         return out
 
     @staticmethod
@@ -91,12 +126,12 @@ class InplaceMergedLinear(torch.autograd.Function):
         x, *deltas = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            with deltas_added(ctx.weight, ctx.indices, deltas):
+            with deltas_added(ctx.weight, ctx.placements, deltas):
                 grad_x = (grad_out @ ctx.weight.to(grad_out.dtype)).to(x.dtype)
         x2d, grad2d = _flatten(x), _flatten(grad_out)
         grad_deltas = [
-            sampled_weight_grad(x2d, grad2d, idx).to(delta.dtype) if needs else None
-            for idx, delta, needs in zip(ctx.indices, deltas, ctx.needs_input_grad[4:], strict=True)
+            sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype) if needs else None
+            for placement, delta, needs in zip(ctx.placements, deltas, ctx.needs_input_grad[4:], strict=True)
         ]
         return grad_x, None, None, None, *grad_deltas
 
@@ -105,24 +140,31 @@ class SparseBypass(torch.autograd.Function):
     """`(P ⊙ Θ) x` alone, for adding to an untouched base layer's output."""
 
     @staticmethod
-    def forward(ctx, x, idx, delta):
+    def forward(ctx, x, placement, out_features, delta):
         x2d = _flatten(x)
-        idx_long = idx.long()
-        out = sum(x2d.index_select(1, idx_long[:, j]) * delta[:, j].to(x.dtype) for j in range(idx.shape[1]))
-        ctx.save_for_backward(x, idx, delta)
-        return out.view(*x.shape[:-1], idx.shape[0])
+        cols = placement.cols.long()
+        tuned = sum(x2d.index_select(1, cols[:, j]) * delta[:, j].to(x.dtype) for j in range(cols.shape[1]))
+        if placement.rows is None:
+            out = tuned
+        else:
+            out = x2d.new_zeros(x2d.shape[0], out_features).index_copy_(1, placement.rows.long(), tuned)
+        ctx.save_for_backward(x, delta)
+        ctx.placement = placement
+        return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, idx, delta = ctx.saved_tensors
+        x, delta = ctx.saved_tensors
         x2d, grad2d = _flatten(x), _flatten(grad_out)
+        placement = ctx.placement
         grad_x = grad_delta = None
         if ctx.needs_input_grad[0]:
-            idx_long = idx.long()
+            cols = placement.cols.long()
+            tuned_grad = _tuned_columns(grad2d, placement.rows)
             grad_x = torch.zeros_like(x2d)
-            for j in range(idx.shape[1]):
-                grad_x.index_add_(1, idx_long[:, j], (grad2d * delta[:, j]).to(x.dtype))
+            for j in range(cols.shape[1]):
+                grad_x.index_add_(1, cols[:, j], (tuned_grad * delta[:, j]).to(x.dtype))
             grad_x = grad_x.view_as(x)
-        if ctx.needs_input_grad[2]:
-            grad_delta = sampled_weight_grad(x2d, grad2d, idx).to(delta.dtype)
-        return grad_x, None, grad_delta
+        if ctx.needs_input_grad[3]:
+            grad_delta = sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype)
+        return grad_x, None, None, grad_delta

@@ -12,25 +12,29 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import DELTA_DTYPES
-from .functional import InplaceMergedLinear, SparseBypass, add_deltas_, restore_
-from .selection import select_top_magnitude
+from .functional import InplaceMergedLinear, Placement, SparseBypass, add_deltas_, placed_entries, restore_
+from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
 
 
 class NeuroAdaLayer(BaseTunerLayer):
-    """Adapter state of one layer, per adapter name: `neuroada_delta` (d_out, k) and `neuroada_indices` (d_out, k)."""
+    """Adapter state of one layer, per adapter name: `neuroada_delta` (n, k) trainable values at input columns
+    `neuroada_indices` (n, k) of the n tuned neurons; `neuroada_rows` (n,) lists those neurons only when not all
+    d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
-    other_param_names = ("neuroada_indices", "inplace_forward")
+    other_param_names = ("neuroada_indices", "neuroada_rows", "inplace_forward", "init_weights")
 
     def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
         self.fan_in_fan_out = fan_in_fan_out
         self.neuroada_delta = nn.ParameterDict({})
         self.neuroada_indices = BufferDict({}, persistent=True)
+        self.neuroada_rows = BufferDict({}, persistent=True)
         self.inplace_forward: dict[str, bool] = {}
+        self.init_weights: dict[str, bool] = {}
         # Original weight entries overwritten by each merged adapter: unmerge writes them back bit-exactly.
         self._merge_originals: dict[str, torch.Tensor] = {}
         self._disable_adapters = False
@@ -50,6 +54,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         init_weights: bool = True,
         delta_dtype: str | None = None,
         inplace_forward: bool = True,
+        selection: str = "magnitude",
+        neuron_fraction: float = 1.0,
+        seed: int = 0,
+        layer_name: str = "",
         inference_mode: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -61,48 +69,68 @@ class NeuroAdaLayer(BaseTunerLayer):
                 stacklevel=2,
             )
             k = self.in_features
-        indices = select_top_magnitude(weight, k)
+        generator = layer_generator(seed, layer_name)
+        rows = select_neurons(self.out_features, neuron_fraction, generator)
+        tuned_weight = weight if rows is None else weight[rows.long()]
+        strategy = "magnitude" if selection == "gradient" else selection
+        self.neuroada_indices[adapter_name] = select_inputs(tuned_weight, k, strategy, generator)
+        if rows is not None:
+            self.neuroada_rows[adapter_name] = rows
         if delta_dtype is not None:
             dtype = DELTA_DTYPES[delta_dtype]
         else:
             dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        delta = torch.zeros(self.out_features, k, dtype=dtype, device=weight.device)
-        if not init_weights:
-            delta.normal_(std=_TEST_INIT_STD)
-        self.neuroada_delta[adapter_name] = nn.Parameter(delta)
-        self.neuroada_indices[adapter_name] = indices
+        self.init_weights[adapter_name] = init_weights
+        self.neuroada_delta[adapter_name] = nn.Parameter(
+            self._initial_delta(adapter_name, tuned_weight.shape[0], k, dtype)
+        )
         self.inplace_forward[adapter_name] = inplace_forward
         self._move_adapter_to_device_of_base_layer(adapter_name)
         if delta_dtype is not None:
             self.neuroada_delta[adapter_name] = nn.Parameter(self.neuroada_delta[adapter_name].to(dtype))
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
+    def _initial_delta(self, adapter_name: str, neurons: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        delta = torch.zeros(neurons, k, dtype=dtype, device=self.weight_out_in().device)
+        return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
+
+    def placement(self, adapter_name: str) -> Placement:
+        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
+        return Placement(self.neuroada_indices[adapter_name], rows)
+
+    def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
+        """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""
+        delta = self.neuroada_delta[adapter_name]
+        self.neuroada_indices[adapter_name] = cols.to(self.neuroada_indices[adapter_name].dtype)
+        with torch.no_grad():
+            delta.copy_(self._initial_delta(adapter_name, *delta.shape, delta.dtype))
+
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
-        delta = self.neuroada_delta[adapter_name]
+        delta = self.neuroada_delta[adapter_name].detach()
         dense = torch.zeros(self.out_features, self.in_features, dtype=delta.dtype, device=delta.device)
-        dense.scatter_(1, self.neuroada_indices[adapter_name].long(), delta.detach())
+        add_deltas_(dense, [self.placement(adapter_name)], [delta])
         return dense.T if self.fan_in_fan_out else dense
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Add the deltas into the base weight, keeping the k overwritten entries per row for an exact unmerge.
+        """Add the deltas into the base weight, keeping the overwritten entries for an exact unmerge.
 
-        With `safe_merge=True` the merged entries are checked first and nothing is written if any is NaN or inf.
+        With `safe_merge=True` a merge that would put NaN or inf into the weight is undone exactly and refused.
         """
         weight = self.weight_out_in()
         for name in check_adapters_to_merge(self, adapter_names):
             if name not in self.neuroada_delta:
                 continue
-            indices, delta = self.neuroada_indices[name], self.neuroada_delta[name]
-            if safe_merge:
-                merged_entries = weight.gather(1, indices.long()) + delta.detach().to(weight.dtype)
-                if not torch.isfinite(merged_entries).all():
-                    raise ValueError(
-                        f"Refusing to merge adapter '{name}': merging it would put NaN/inf values into the base "
-                        "weight. The adapter's deltas are broken (check the training loss and learning rate)."
-                    )
+            placement = self.placement(name)
             with torch.no_grad():
-                (self._merge_originals[name],) = add_deltas_(weight, [indices], [delta])
+                (originals,) = add_deltas_(weight, [placement], [self.neuroada_delta[name]])
+                if safe_merge and not torch.isfinite(placed_entries(weight, placement)).all():
+                    restore_(weight, [placement], [originals])
+                    raise ValueError(
+                        f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
+                        "so its deltas are broken (check the training loss and learning rate)."
+                    )
+            self._merge_originals[name] = originals
             self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
@@ -114,7 +142,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         with torch.no_grad():
             while self.merged_adapters:
                 name = self.merged_adapters.pop()
-                restore_(weight, [self.neuroada_indices[name]], [self._merge_originals.pop(name)])
+                restore_(weight, [self.placement(name)], [self._merge_originals.pop(name)])
 
     def _inplace_forward_is_safe(self, adapter_names: list[str]) -> bool:
         """Whether the weight can be modified for the duration of one matmul (see `NeuroAdaConfig.inplace_forward`)."""
@@ -150,13 +178,13 @@ class Linear(nn.Module, NeuroAdaLayer):
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
             return self.base_layer(x, *args, **kwargs)
-        indices = tuple(self.neuroada_indices[name] for name in active)
+        placements = tuple(self.placement(name) for name in active)
         deltas = [self.neuroada_delta[name] for name in active]
         if self._inplace_forward_is_safe(active):
-            return InplaceMergedLinear.apply(x, self.weight_out_in(), self.get_base_layer().bias, indices, *deltas)
+            return InplaceMergedLinear.apply(x, self.weight_out_in(), self.get_base_layer().bias, placements, *deltas)
         result = self.base_layer(x, *args, **kwargs)
-        for idx, delta in zip(indices, deltas, strict=True):
-            result = result + SparseBypass.apply(x, idx, delta).to(result.dtype)
+        for placement, delta in zip(placements, deltas, strict=True):
+            result = result + SparseBypass.apply(x, placement, self.out_features, delta).to(result.dtype)
         return result
 
     def __repr__(self) -> str:

@@ -41,6 +41,12 @@ class NeuroAdaModel(BaseTuner):
         # Tags end up in the model card written by save_pretrained / push_to_hub.
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada", "peft-neuroada"])
+        if config.selection == "gradient" and not config.inference_mode:
+            warnings.warn(
+                f"Adapter '{adapter_name}' uses selection='gradient': its inputs are chosen by magnitude until you "
+                "call peft_neuroada.select_by_gradient(model, calibration_batches) before training.",
+                stacklevel=2,
+            )
 
     def _create_and_replace(
         self,
@@ -57,6 +63,10 @@ class NeuroAdaModel(BaseTuner):
             "init_weights": config.init_weights,
             "delta_dtype": config.delta_dtype,
             "inplace_forward": config.inplace_forward,
+            "selection": config.selection,
+            "neuron_fraction": config.neuron_fraction,
+            "seed": config.selection_seed,
+            "layer_name": current_key,
         }
         if isinstance(target, NeuroAdaLayer):
             target.update_layer(adapter_name, **layer_kwargs)
@@ -107,27 +117,34 @@ class NeuroAdaModel(BaseTuner):
 def _check_adapter_fits_layer(
     name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
 ) -> None:
-    """Validate a layer's saved indices and deltas before loading, and cast indices to the layer's index dtype."""
-    indices_key = f"{name}.neuroada_indices.{adapter_name}"
-    delta_key = f"{name}.neuroada_delta.{adapter_name}"
-    if indices_key not in state_dict:
-        return
-    expected = tuple(layer.neuroada_indices[adapter_name].shape)
-    for key in (indices_key, delta_key):
-        if key in state_dict and tuple(state_dict[key].shape) != expected:
+    """Validate a layer's saved tensors before loading them, and cast index tensors to the layer's index dtype."""
+    index_bounds = {"neuroada_indices": layer.in_features, "neuroada_rows": layer.out_features}
+    for attribute in ("neuroada_delta", *index_bounds):
+        key = f"{name}.{attribute}.{adapter_name}"
+        container = getattr(layer, attribute)
+        if key not in state_dict or adapter_name not in container:
+            continue
+        saved, expected = state_dict[key], container[adapter_name]
+        if saved.shape != expected.shape:
             raise ValueError(
-                f"The NeuroAda adapter does not fit the base model at layer '{name}': '{key.rsplit('.', 2)[-2]}' "
-                f"has shape {tuple(state_dict[key].shape)}, but this layer ({layer.out_features} outputs, "
-                f"{layer.in_features} inputs, k={expected[1]}) needs {expected}. Load the adapter on the base model "
-                "it was trained on."
+                f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
+                f"{tuple(saved.shape)}, but this layer ({layer.out_features} outputs, {layer.in_features} inputs) "
+                f"needs {tuple(expected.shape)} for this config. Load the adapter on the base model it was trained on."
             )
-    indices = state_dict[indices_key]
-    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
-        raise ValueError(f"The NeuroAda adapter's indices for layer '{name}' have dtype {indices.dtype}, not integer.")
-    if indices.numel() and not indices.is_meta and (indices.min() < 0 or indices.max() >= layer.in_features):
+        if attribute in index_bounds:
+            state_dict[key] = _checked_indices(name, attribute, saved, index_bounds[attribute], expected.dtype)
+
+
+def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int, dtype: torch.dtype) -> torch.Tensor:
+    if saved.is_floating_point() or saved.is_complex() or saved.dtype == torch.bool:
         raise ValueError(
-            f"The NeuroAda adapter does not fit the base model at layer '{name}': its indices range over "
-            f"[{int(indices.min())}, {int(indices.max())}] but the layer has only {layer.in_features} inputs. "
+            f"The NeuroAda adapter's {attribute} for layer '{name}' have dtype {saved.dtype}, not integer."
+        )
+    if saved.numel() and not saved.is_meta and (saved.min() < 0 or saved.max() >= bound):
+        raise ValueError(
+            f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} range over "
+            f"[{int(saved.min())}, {int(saved.max())}] but the layer has only {bound} "
+            f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
             "Load the adapter on the base model it was trained on."
         )
-    state_dict[indices_key] = indices.to(layer.neuroada_indices[adapter_name].dtype)
+    return saved.to(dtype)

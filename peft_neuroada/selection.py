@@ -1,39 +1,73 @@
-"""Which inputs of each neuron get a trainable delta.
+"""Which inputs of each neuron (and, for coverage ablations, which neurons) get a trainable delta.
 
-Selection runs once, at injection, on the frozen weight. It works on blocks of rows so the transient `|W|` never
-exceeds a fixed number of elements, and it returns only a (d_out, k) index matrix: no dense mask is ever built.
+Selection runs once, at injection, on the frozen weight. It works on blocks of rows so the transient score matrix
+never exceeds a fixed number of elements, and it returns only a (d_out, k) index matrix: no dense mask is ever built.
+Random choices come from a generator seeded per layer, so every process and every reload picks the same indices.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
 
 import torch
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
 
+# Per strategy: the score whose k largest entries per row are selected.
+_SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
+    "magnitude": lambda block, generator: block.abs(),
+    "reverse": lambda block, generator: block.abs().neg_(),
+    "random": lambda block, generator: torch.rand(block.shape, generator=generator).to(block.device),
+}
+STRATEGIES = (*_SCORES, "gradient")
 
-def index_dtype(in_features: int) -> torch.dtype:
-    """Smallest integer dtype able to hold every column index of a layer with `in_features` inputs."""
-    return torch.int16 if in_features <= torch.iinfo(torch.int16).max + 1 else torch.int32
+
+def index_dtype(size: int) -> torch.dtype:
+    """Smallest integer dtype able to hold every index into a dimension of `size` entries."""
+    return torch.int16 if size <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
-def _top_k_block(magnitude: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k column indices per row; among equal magnitudes the lower column index wins."""
-    indices = magnitude.topk(k, dim=1).indices
-    kth_largest = magnitude.gather(1, indices[:, -1:])
-    ambiguous_rows = ((magnitude >= kth_largest).sum(dim=1) > k).nonzero().squeeze(1)
+def layer_generator(seed: int, layer_name: str) -> torch.Generator:
+    """A CPU generator seeded from the config seed and the layer's name: the same on every rank and every run."""
+    return torch.Generator().manual_seed(seed ^ zlib.crc32(layer_name.encode()))
+
+
+def _top_k_block(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k column indices per row; among equal scores the lower column index wins."""
+    indices = score.topk(k, dim=1).indices
+    kth_largest = score.gather(1, indices[:, -1:])
+    ambiguous_rows = ((score >= kth_largest).sum(dim=1) > k).nonzero().squeeze(1)
     if ambiguous_rows.numel():
-        stable_order = magnitude[ambiguous_rows].sort(dim=1, descending=True, stable=True).indices
+        stable_order = score[ambiguous_rows].sort(dim=1, descending=True, stable=True).indices
         indices[ambiguous_rows] = stable_order[:, :k]
     return indices
 
 
-def select_top_magnitude(weight: torch.Tensor, k: int) -> torch.Tensor:
-    """Per row of `weight` (d_out, d_in), the `k` columns of largest |w|, sorted ascending, in a compact int dtype."""
+def select_inputs(
+    weight: torch.Tensor, k: int, strategy: str = "magnitude", generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending, in a compact int dtype.
+
+    `magnitude` takes the largest |w| (the paper's default), `reverse` the smallest, `random` a uniform choice.
+    For `gradient`, pass the accumulated gradient magnitudes as `weight` with strategy `magnitude`.
+    """
+    score_of = _SCORES[strategy]
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
     d_out, d_in = weight.shape
     rows_per_block = max(1, _MAX_BLOCK_ELEMENTS // d_in)
     selected = torch.empty(d_out, k, dtype=index_dtype(d_in), device=weight.device)
     with torch.no_grad():
         for start in range(0, d_out, rows_per_block):
-            block = weight[start : start + rows_per_block].abs()
-            selected[start : start + rows_per_block] = _top_k_block(block, k).sort(dim=1).values
+            score = score_of(weight[start : start + rows_per_block], generator)
+            selected[start : start + rows_per_block] = _top_k_block(score, k).sort(dim=1).values
     return selected
+
+
+def select_neurons(d_out: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:
+    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them)."""
+    if fraction >= 1.0:
+        return None
+    count = max(1, round(fraction * d_out))
+    rows = torch.randperm(d_out, generator=generator)[:count].sort().values
+    return rows.to(index_dtype(d_out))

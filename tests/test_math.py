@@ -15,20 +15,39 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
 PATHS = {"inplace": True, "bypass": False}
 
 
-def make_layer(k=3, dtype=torch.float32, path="inplace", conv1d=False, device="cpu", d_in=24, d_out=16) -> Linear:
+def make_layer(
+    k=3, dtype=torch.float32, path="inplace", conv1d=False, device="cpu", d_in=24, d_out=16, neuron_fraction=1.0
+) -> Linear:
     torch.manual_seed(0)
     base = Conv1D(d_out, d_in) if conv1d else nn.Linear(d_in, d_out)
     nn.init.normal_(base.weight)
     nn.init.normal_(base.bias)
     base = base.to(device=device, dtype=dtype).requires_grad_(False)
-    return Linear(base, "default", fan_in_fan_out=conv1d, k=k, init_weights=False, inplace_forward=PATHS[path])
+    return Linear(
+        base,
+        "default",
+        fan_in_fan_out=conv1d,
+        k=k,
+        init_weights=False,
+        inplace_forward=PATHS[path],
+        neuron_fraction=neuron_fraction,
+    )
+
+
+def positions(layer: Linear, adapter: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) index pair addressing the tuned entries of a (d_out, d_in) matrix."""
+    cols = layer.neuroada_indices[adapter].long()
+    if adapter in layer.neuroada_rows:
+        return layer.neuroada_rows[adapter].long()[:, None], cols
+    return torch.arange(layer.out_features, device=cols.device)[:, None], cols
 
 
 def dense_delta(layer: Linear, adapter: str = "default") -> torch.Tensor:
-    """Θ scattered into a (d_out, d_in) float32 matrix: the reference the tests compare against."""
-    indices, delta = layer.neuroada_indices[adapter], layer.neuroada_delta[adapter]
+    """Θ placed into a (d_out, d_in) float32 matrix: the reference the tests compare against."""
+    delta = layer.neuroada_delta[adapter]
     dense = torch.zeros(layer.out_features, layer.in_features, device=delta.device)
-    return dense.scatter_(1, indices.long(), delta.detach().float())
+    dense[positions(layer, adapter)] = delta.detach().float()
+    return dense
 
 
 def dense_reference(layer: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,38 +63,40 @@ def inputs(layer: Linear, tokens: int = 5) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("neuron_fraction", [1.0, 0.5], ids=["all-neurons", "half-neurons"])
 @pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_matches_dense_reference(dtype, path, conv1d, device):
-    layer = make_layer(dtype=dtype, path=path, conv1d=conv1d, device=device)
+def test_forward_matches_dense_reference(dtype, path, conv1d, neuron_fraction, device):
+    layer = make_layer(dtype=dtype, path=path, conv1d=conv1d, device=device, neuron_fraction=neuron_fraction)
     x = inputs(layer)
     reference, _ = dense_reference(layer, x)
     torch.testing.assert_close(layer(x).float(), reference, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * 10)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("neuron_fraction", [1.0, 0.5], ids=["all-neurons", "half-neurons"])
 @pytest.mark.parametrize("k", [1, 5, 24], ids=["k1", "k5-sampled-matmul", "k-all"])
 @pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("path", PATHS)
-def test_delta_gradient_is_dense_weight_gradient_at_selected_positions(path, conv1d, k, device):
-    layer = make_layer(k=k, path=path, conv1d=conv1d, device=device)
+def test_delta_gradient_is_dense_weight_gradient_at_selected_positions(path, conv1d, k, neuron_fraction, device):
+    layer = make_layer(k=k, path=path, conv1d=conv1d, device=device, neuron_fraction=neuron_fraction)
     x = inputs(layer)
     grad_out = torch.randn(2, 5, layer.out_features, device=device)
     layer(x).backward(grad_out)
     x_ref = x.detach().clone().requires_grad_(True)
     reference, merged = dense_reference(layer, x_ref)
     reference.backward(grad_out)
-    indices = layer.neuroada_indices["default"].long()
-    torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad.gather(1, indices))
+    torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad[positions(layer)])
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert layer.get_base_layer().weight.grad is None
 
 
+@pytest.mark.parametrize("neuron_fraction", [1.0, 0.5], ids=["all-neurons", "half-neurons"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_unmerged_output_equals_merged_output(dtype, path):
-    layer = make_layer(dtype=dtype, path=path)
+def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction):
+    layer = make_layer(dtype=dtype, path=path, neuron_fraction=neuron_fraction)
     x = inputs(layer).detach()
     unmerged = layer(x)
     layer.merge()
@@ -127,13 +148,13 @@ def test_cpu_autocast_bfloat16_trains_float32_deltas(path):
     assert delta.grad is not None and delta.grad.dtype == torch.float32
     reference, merged = dense_reference(layer, x.detach())
     reference.sum().backward()
-    expected = merged.grad.gather(1, layer.neuroada_indices["default"].long())
+    expected = merged.grad[positions(layer)]
     torch.testing.assert_close(delta.grad, expected, rtol=5e-2, atol=5e-2)
 
 
 def test_overlapping_adapters_unmerge_restores_weight_bit_exactly():
-    layer = make_layer(k=4)
-    layer.update_layer("other", k=4, init_weights=False)
+    layer = make_layer(k=4, conv1d=True)
+    layer.update_layer("other", k=4, init_weights=False, neuron_fraction=0.5)
     original = layer.get_base_layer().weight.detach().clone()
     for _ in range(3):
         layer.merge(adapter_names=["default", "other"])

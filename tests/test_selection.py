@@ -1,32 +1,90 @@
-"""Per neuron, the k inputs with the largest |w| are selected, deterministically and compactly."""
+"""Per neuron, k inputs are selected by a named strategy, deterministically, reproducibly and compactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from peft import PeftModel, get_peft_model
 
-from peft_neuroada.selection import index_dtype, select_top_magnitude
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
+from peft_neuroada.selection import index_dtype, layer_generator, select_inputs, select_neurons
+from tests.conftest import tiny_llama
 
 
-def test_selects_the_k_largest_magnitudes_of_each_row_in_ascending_column_order():
+def indices_by_layer(model) -> dict[str, torch.Tensor]:
+    return {n: m.neuroada_indices["default"].clone() for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+
+
+def test_magnitude_selects_the_k_largest_magnitudes_of_each_row_in_ascending_column_order():
     weight = torch.tensor([[0.1, -5.0, 3.0, 0.2], [4.0, 0.0, -0.5, -4.5]])
-    assert select_top_magnitude(weight, 2).tolist() == [[1, 2], [0, 3]]
+    assert select_inputs(weight, 2).tolist() == [[1, 2], [0, 3]]
+
+
+def test_reverse_selects_the_k_smallest_magnitudes():
+    weight = torch.tensor([[0.1, -5.0, 3.0, 0.2], [4.0, 0.0, -0.5, -4.5]])
+    assert select_inputs(weight, 2, "reverse").tolist() == [[0, 3], [1, 2]]
 
 
 def test_ties_are_broken_towards_the_lower_column_index():
     weight = torch.tensor([[1.0, -2.0, 2.0, 2.0, -2.0, 0.5]])
-    assert select_top_magnitude(weight, 2).tolist() == [[1, 2]]
-    assert select_top_magnitude(weight.to(torch.bfloat16), 3).tolist() == [[1, 2, 3]]
+    assert select_inputs(weight, 2).tolist() == [[1, 2]]
+    assert select_inputs(weight.to(torch.bfloat16), 3).tolist() == [[1, 2, 3]]
+    assert select_inputs(-weight.abs() + 3.0, 2, "reverse").tolist() == [[1, 2]]
 
 
-def test_selection_matches_a_full_sort_on_a_real_sized_matrix():
+def test_magnitude_selection_matches_a_full_stable_sort_on_a_real_sized_matrix():
     torch.manual_seed(0)
     weight = torch.randn(1536, 576).to(torch.bfloat16)
-    selected = select_top_magnitude(weight, 20)
     full_sort = weight.abs().sort(dim=1, descending=True, stable=True).indices[:, :20].sort(dim=1).values
-    assert torch.equal(selected.long(), full_sort)
+    assert torch.equal(select_inputs(weight, 20).long(), full_sort)
+
+
+def test_random_selection_is_reproducible_per_seed_and_layer_and_distinct_per_row():
+    weight = torch.randn(64, 100)
+    first = select_inputs(weight, 5, "random", layer_generator(7, "layers.0.q_proj"))
+    again = select_inputs(weight, 5, "random", layer_generator(7, "layers.0.q_proj"))
+    other_layer = select_inputs(weight, 5, "random", layer_generator(7, "layers.1.q_proj"))
+    assert torch.equal(first, again) and not torch.equal(first, other_layer)
+    assert all(len(set(row.tolist())) == 5 for row in first)
+    assert not torch.equal(first, select_inputs(weight, 5))
+
+
+def test_neuron_fraction_picks_a_seeded_sorted_subset_of_rows():
+    rows = select_neurons(100, 0.25, layer_generator(0, "x"))
+    assert rows.numel() == 25 and torch.equal(rows, rows.sort().values)
+    assert torch.equal(rows, select_neurons(100, 0.25, layer_generator(0, "x")))
+    assert select_neurons(100, 1.0, layer_generator(0, "x")) is None
 
 
 def test_indices_use_int16_when_every_column_fits_else_int32():
     assert index_dtype(32768) == torch.int16
     assert index_dtype(32769) == torch.int32
-    assert select_top_magnitude(torch.randn(3, 40000), 1).dtype == torch.int32
+    assert select_inputs(torch.randn(3, 40000), 1).dtype == torch.int32
+
+
+@pytest.mark.parametrize("selection", ["magnitude", "reverse", "random"])
+def test_strategy_and_seed_are_saved_and_loading_reproduces_the_indices(selection, tmp_path):
+    settings = {"k": 3, "selection": selection, "selection_seed": 11, "neuron_fraction": 0.5}
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(**settings, init_weights=False))
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    saved_config = reloaded.peft_config["default"]
+    assert (saved_config.selection, saved_config.selection_seed, saved_config.neuron_fraction) == (selection, 11, 0.5)
+    reinjected = get_peft_model(
+        tiny_llama(), NeuroAdaConfig(k=3, selection=selection, selection_seed=11, neuron_fraction=0.5)
+    )
+    for name, indices in indices_by_layer(model).items():
+        assert torch.equal(indices_by_layer(reloaded)[name], indices)
+        assert torch.equal(indices_by_layer(reinjected)[name], indices)
+
+
+def test_neuron_fraction_tunes_only_that_share_of_each_layer(token_batch):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, neuron_fraction=0.5, init_weights=False))
+    layer = model.base_model.model.model.layers[0].mlp.gate_proj
+    rows = layer.neuroada_rows["default"].long()
+    assert rows.numel() == 24 and layer.neuroada_delta["default"].shape == (24, 2)
+    delta_weight = layer.get_delta_weight("default")
+    untouched = torch.ones(48, dtype=torch.bool).index_fill_(0, rows, False)
+    assert delta_weight[untouched].abs().sum() == 0 and (delta_weight[rows] != 0).sum() == 48
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert trainable == 2 * 2 * (16 + 8 + 8 + 16 + 24 + 24 + 16)

@@ -1,0 +1,61 @@
+"""Choose k from a parameter budget, e.g. "as many trainable parameters as LoRA r=8" or "0.1% of the model"."""
+
+from __future__ import annotations
+
+import copy
+
+from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import LLAMA_STYLE_TARGETS, TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
+
+
+def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
+    """(d_out, d_in) of every layer `config` would adapt in `model`, resolving defaults like `get_peft_model` does."""
+    config = copy.deepcopy(config)
+    if config.target_modules is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        config.target_modules = set(
+            TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS)
+        )
+    config = _maybe_include_all_linear_layers(config, model)
+    shapes = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, Conv1D)) and check_target_module_exists(config, name):
+            d_out, d_in = module.weight.shape if isinstance(module, nn.Linear) else module.weight.shape[::-1]
+            shapes.append((d_out, d_in))
+    return shapes
+
+
+def neuroada_parameter_count(shapes: list[tuple[int, int]], k: int, neuron_fraction: float = 1.0) -> int:
+    """Trainable parameters of NeuroAda with this k on layers of these shapes."""
+    neurons = [d_out if neuron_fraction >= 1.0 else max(1, round(neuron_fraction * d_out)) for d_out, _ in shapes]
+    return sum(n * min(k, d_in) for n, (_, d_in) in zip(neurons, shapes, strict=True))
+
+
+def lora_parameter_count(shapes: list[tuple[int, int]], rank: int) -> int:
+    """Trainable parameters of LoRA with this rank on layers of these shapes."""
+    return sum(rank * (d_in + d_out) for d_out, d_in in shapes)
+
+
+def k_for_budget(
+    model: nn.Module, config: NeuroAdaConfig, *, lora_rank: int | None = None, percent: float | None = None
+) -> int:
+    """The k whose NeuroAda parameter count is closest to the budget (the smaller k on a tie).
+
+    Give exactly one budget: `lora_rank` (same trainable parameters as LoRA of that rank on the same layers) or
+    `percent` (share of the model's parameters, as in the paper's tables).
+    """
+    if (lora_rank is None) == (percent is None):
+        raise ValueError("Give exactly one budget: lora_rank=... or percent=...")
+    shapes = targeted_shapes(model, config)
+    if not shapes:
+        raise ValueError(f"No layer of the model matches target_modules={config.target_modules!r}.")
+    if lora_rank is not None:
+        target = lora_parameter_count(shapes, lora_rank)
+    else:
+        target = percent / 100 * sum(p.numel() for p in model.parameters())
+    max_k = max(d_in for _, d_in in shapes)
+    counts = {k: neuroada_parameter_count(shapes, k, config.neuron_fraction) for k in range(1, max_k + 1)}
+    return min(counts, key=lambda k: (abs(counts[k] - target), k))

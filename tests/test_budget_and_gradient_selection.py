@@ -1,0 +1,79 @@
+"""k from a parameter budget, and gradient-based selection from calibration batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, k_for_budget, select_by_gradient
+from peft_neuroada.budget import lora_parameter_count, neuroada_parameter_count, targeted_shapes
+from tests.conftest import tiny_llama
+
+
+def test_k_for_a_lora_budget_matches_lora_trainable_parameters_on_smollm2(smollm2):
+    config = NeuroAdaConfig()
+    k = k_for_budget(smollm2, config, lora_rank=8)
+    shapes = targeted_shapes(smollm2, config)
+    lora_trainable, _ = get_peft_model(
+        smollm2, LoraConfig(r=8, target_modules=list(config_targets()))
+    ).get_nb_trainable_parameters()
+    assert lora_parameter_count(shapes, 8) == lora_trainable
+    best = abs(neuroada_parameter_count(shapes, k) - lora_trainable)
+    assert best <= min(abs(neuroada_parameter_count(shapes, other) - lora_trainable) for other in (k - 1, k + 1))
+
+
+def config_targets() -> set[str]:
+    return {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_k_for_a_percentage_budget():
+    model = tiny_llama()
+    shapes = targeted_shapes(model, NeuroAdaConfig())
+    total = sum(p.numel() for p in model.parameters())
+    k = k_for_budget(model, NeuroAdaConfig(), percent=100 * neuroada_parameter_count(shapes, 3) / total)
+    assert k == 3
+
+
+def test_budget_needs_exactly_one_target():
+    with pytest.raises(ValueError, match="exactly one budget"):
+        k_for_budget(tiny_llama(), NeuroAdaConfig())
+
+
+def dense_gradients(batches: list[dict]) -> dict[str, torch.Tensor]:
+    """Reference: the summed dense gradient of every targeted weight, from an ordinary trainable copy."""
+    model = tiny_llama()
+    model.requires_grad_(False)
+    targets = {n: m.weight for n, m in model.named_modules() if n.split(".")[-1] in config_targets()}
+    for weight in targets.values():
+        weight.requires_grad_(True)
+    for batch in batches:
+        model(**batch).loss.backward()
+    return {name: weight.grad for name, weight in targets.items()}
+
+
+@pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
+@pytest.mark.parametrize("budget", [1 << 27, 2000], ids=["one-pass", "layer-by-layer"])
+def test_gradient_selection_picks_the_largest_accumulated_gradients(budget):
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (3, 2, 10))]
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    select_by_gradient(model, batches, max_accumulated_elements=budget)
+    reference = dense_gradients(batches)
+    assert model.peft_config["default"].selection == "gradient"
+    for name, layer in model.named_modules():
+        if isinstance(layer, NeuroAdaLayer):
+            gradient = reference[name.removeprefix("base_model.model.")]
+            expected = gradient.abs().topk(3, dim=1).indices.sort(dim=1).values
+            assert torch.equal(layer.neuroada_indices["default"].long(), expected), name
+            assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
+
+
+def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(smollm2, smollm2_tokenizer):
+    batch = smollm2_tokenizer(["Question: what is two plus two? Answer: four."], return_tensors="pt")
+    with pytest.warns(UserWarning, match="call peft_neuroada.select_by_gradient"):
+        model = get_peft_model(smollm2, NeuroAdaConfig(k=1, selection="gradient"))
+    layer = model.base_model.model.model.layers[3].mlp.down_proj
+    by_magnitude = layer.neuroada_indices["default"].clone()
+    select_by_gradient(model, [{**batch, "labels": batch["input_ids"]}])
+    assert not torch.equal(layer.neuroada_indices["default"], by_magnitude)
+    assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
