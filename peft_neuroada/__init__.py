@@ -6,8 +6,10 @@ from .gradient_selection import select_by_gradient
 from .layer import Linear, NeuroAdaLayer
 from .model import NeuroAdaModel
 from .registration import register
+from .safe_io import install as _install_safe_adapter_io
 
 NEUROADA = register()
+_install_safe_adapter_io()
 
 __all__ = [
     "NEUROADA",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,3 +117,11 @@ class NeuroAdaConfig(PeftConfig):
             self.exclude_modules = set(self.exclude_modules)
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Write adapter_config.json atomically: an interrupted save leaves the previous config readable."""
+        os.makedirs(save_directory, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=save_directory, prefix=".config-") as staging:
+            super().save_pretrained(staging, **kwargs)
+            for name in os.listdir(staging):
+                os.replace(os.path.join(staging, name), os.path.join(save_directory, name))

@@ -1,0 +1,111 @@
+"""Bad input gets a clear, specific error and never corrupts or loses a model or an adapter on disk."""
+
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import pytest
+import safetensors.torch
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
+from tests.conftest import tiny_llama
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.fixture
+def saved_adapter(tmp_path):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "corrupt-header"])
+def test_damaged_weights_file_is_named_in_a_clear_error(saved_adapter, damage):
+    _, adapter_dir = saved_adapter
+    weights = adapter_dir / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    damaged = {"truncated": data[: len(data) // 2], "zeroed": bytes(len(data)), "corrupt-header": data[:8] + b"{x"}
+    weights.write_bytes(damaged[damage])
+    with pytest.raises(ValueError, match=r"adapter weights file '.*adapter_model\.safetensors' is damaged"):
+        PeftModel.from_pretrained(tiny_llama(), adapter_dir)
+
+
+def test_unknown_config_fields_are_ignored_with_a_warning(saved_adapter, token_batch):
+    model, adapter_dir = saved_adapter
+    config_path = adapter_dir / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "from_the_future": 1}))
+    with pytest.warns(UserWarning, match=r"Unexpected keyword arguments \['from_the_future'\]"):
+        loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir)
+    assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("k", 0, "k must be a positive integer"), ("selection", "best", "selection must be one of")],
+)
+def test_invalid_config_fields_are_refused_by_name(saved_adapter, field, value, message):
+    _, adapter_dir = saved_adapter
+    config_path = adapter_dir / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), field: value}))
+    with pytest.raises(ValueError, match=message):
+        PeftModel.from_pretrained(tiny_llama(), adapter_dir)
+
+
+def test_indices_saved_as_int32_load_into_int16_layers(saved_adapter, token_batch):
+    model, adapter_dir = saved_adapter
+    weights = adapter_dir / "adapter_model.safetensors"
+    tensors = {k: v.to(torch.int32) if k.endswith("indices") else v for k, v in load_file(weights).items()}
+    save_file(tensors, weights)
+    for low_cpu_mem_usage in (False, True):
+        loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)
+        layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
+        assert all(layer.neuroada_indices["default"].dtype == torch.int16 for layer in layers)
+        assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
+
+
+def test_a_thousand_merge_unmerge_cycles_leave_weights_bit_identical():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+    model.add_adapter("second", NeuroAdaConfig(k=2, init_weights=False, neuron_fraction=0.5))
+    model.base_model.set_adapter(["default", "second"])
+    original = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    for _ in range(1000):
+        model.merge_adapter()
+        model.unmerge_adapter()
+    assert all(torch.equal(p, original[n]) for n, p in model.named_parameters() if "base_layer" in n)
+
+
+def test_interrupted_save_into_an_existing_directory_keeps_the_previous_adapter(saved_adapter, token_batch):
+    model, adapter_dir = saved_adapter
+    expected = logits(model, token_batch)
+    other = get_peft_model(tiny_llama(), NeuroAdaConfig(k=5, init_weights=False))
+
+    def interrupted_write(tensors, filename, metadata=None):
+        with open(filename, "wb") as partial:
+            partial.write(b"half an adapter")
+        raise KeyboardInterrupt
+
+    with mock.patch.object(safetensors.torch, "save_file", interrupted_write), pytest.raises(KeyboardInterrupt):
+        other.save_pretrained(adapter_dir)
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert torch.equal(logits(PeftModel.from_pretrained(tiny_llama(), adapter_dir), token_batch), expected)
+
+
+def test_saving_twice_replaces_the_adapter_completely(saved_adapter, token_batch):
+    _, adapter_dir = saved_adapter
+    newer = get_peft_model(tiny_llama(), NeuroAdaConfig(k=5, init_weights=False))
+    newer.save_pretrained(adapter_dir)
+    reloaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir)
+    assert reloaded.peft_config["default"].k == 5
+    assert torch.equal(logits(reloaded, token_batch), logits(newer, token_batch))
