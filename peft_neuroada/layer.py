@@ -27,7 +27,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "inplace_forward", "init_weights")
 
-    def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
+    def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False) -> None:
         self.base_layer = base_layer
         self.fan_in_fan_out = fan_in_fan_out
         self.neuroada_delta = nn.ParameterDict({})
@@ -40,7 +40,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
-        self.kwargs = kwargs
 
     def weight_out_in(self) -> torch.Tensor:
         """The frozen weight as a (d_out, d_in) view, whatever the layer's storage layout."""

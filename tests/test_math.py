@@ -161,3 +161,15 @@ def test_overlapping_adapters_unmerge_restores_weight_bit_exactly():
         assert not torch.equal(layer.get_base_layer().weight, original)
         layer.unmerge()
         assert torch.equal(layer.get_base_layer().weight, original)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_inference_mode_gives_the_no_grad_output_and_leaves_the_weight_intact(path):
+    layer = make_layer(path=path)
+    original = layer.get_base_layer().weight.detach().clone()
+    x = inputs(layer).detach()
+    with torch.no_grad():
+        expected = layer(x)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), expected)
+    assert torch.equal(layer.get_base_layer().weight, original)
