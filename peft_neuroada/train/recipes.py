@@ -1,0 +1,182 @@
+"""YAML recipes: which model, which adapter method, which data, how to train and how to evaluate.
+
+A recipe file mirrors the dataclasses below section by section; unknown keys are errors so a typo cannot be
+silently ignored. `extends: other.yaml` starts from another recipe, so method variants share one base file.
+Any value can be overridden from the command line with `--set section.key=value`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from peft import LoraConfig, PeftConfig
+
+from peft_neuroada import NeuroAdaConfig
+
+
+@dataclass
+class MethodSpec:
+    """The adapter: `neuroada` (k deltas per neuron) or `lora` (rank r, scale alpha / r) as the baseline."""
+
+    name: Literal["neuroada", "lora"] = "neuroada"
+    k: int = 1
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: list[str] | str | None = None
+
+    def peft_config(self) -> PeftConfig:
+        if self.name == "neuroada":
+            return NeuroAdaConfig(k=self.k, target_modules=self.target_modules, task_type="CAUSAL_LM")
+        if self.name == "lora":
+            return LoraConfig(
+                r=self.r,
+                lora_alpha=self.alpha,
+                lora_dropout=self.dropout,
+                target_modules=self.target_modules or "all-linear",
+                task_type="CAUSAL_LM",
+            )
+        raise ValueError(f"method.name must be 'neuroada' or 'lora' (got {self.name!r}).")
+
+    @property
+    def label(self) -> str:
+        return f"neuroada k={self.k}" if self.name == "neuroada" else f"lora r={self.r}"
+
+
+@dataclass
+class DataSpec:
+    """Training data: the union of `train` data sets in `dir`, `train_size` random examples of it (all if null)."""
+
+    dir: str = "../shared/datasets"
+    train: list[str] = field(default_factory=lambda: ["commonsense_15k"])
+    train_size: int | None = None
+    max_length: int = 256
+    seed: int = 42
+
+
+@dataclass
+class TrainingSpec:
+    """Trainer settings (AdamW, linear decay). `warmup` below 1 is a fraction of all steps, else a step count.
+    `max_steps` > 0 overrides `epochs`. `bf16: auto` uses bf16 mixed precision on GPUs that support it."""
+
+    learning_rate: float = 1e-3
+    batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    warmup: float = 0.06
+    epochs: float = 3.0
+    max_steps: int = -1
+    weight_decay: float = 0.0
+    lr_scheduler: str = "linear"
+    logging_steps: int = 10
+    save_steps: int = 500
+    bf16: Literal["auto", True, False] = "auto"
+    seed: int = 42
+
+
+@dataclass
+class EvaluationSpec:
+    """Test sets scored after training; `size` random examples per task (all if null)."""
+
+    tasks: list[str] = field(default_factory=list)
+    size: int | None = None
+    batch_size: int = 16
+    max_new_tokens_options: int = 32
+    max_new_tokens_number: int = 256
+    seed: int = 42
+
+    @property
+    def max_new_tokens(self) -> dict[str, int]:
+        return {"options": self.max_new_tokens_options, "number": self.max_new_tokens_number}
+
+
+@dataclass
+class Recipe:
+    """One fine-tuning run. `model` is a local path / hub id, or `default` for the embedded SmolLM2-135M-Instruct;
+    `dtype` is the dtype its frozen weights are loaded in (bf16 mixed precision is `training.bf16`)."""
+
+    name: str
+    output_dir: str
+    model: str = "default"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    method: MethodSpec = field(default_factory=MethodSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
+
+    @property
+    def adapter_dir(self) -> Path:
+        return Path(self.output_dir) / "adapter"
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Turn a YAML value into the field's type: sections become dataclasses, and floats written like `1e-3` (which
+    YAML reads as strings) become floats."""
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value or {}, where)
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    if value is not None and float in (typing.get_args(annotation) if union else (annotation,)):
+        return float(value)
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"Recipe section '{where}' must be a mapping (got {values!r}).")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(
+            f"Unknown recipe key(s) {sorted(unknown)} in '{where or 'top level'}'; known: {sorted(known)}"
+        )
+    prefix = f"{where}." if where else ""
+    return cls(**{key: _coerce(value, hints[key], prefix + key) for key, value in values.items()})
+
+
+def _apply_override(values: dict[str, Any], assignment: str) -> None:
+    """`section.key=value`, the value read as YAML (so numbers, lists and null work)."""
+    path, separator, raw = assignment.partition("=")
+    if not separator:
+        raise ValueError(f"Override {assignment!r} must look like section.key=value.")
+    *sections, key = path.strip().split(".")
+    target = values
+    for section in sections:
+        target = target.setdefault(section, {})
+    target[key] = yaml.safe_load(raw)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        merged[key] = (
+            _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
+    return merged
+
+
+def _read_with_bases(path: Path) -> dict[str, Any]:
+    """The file's values on top of those of the file named by its `extends:` key (relative to it), recursively."""
+    values = yaml.safe_load(path.read_text()) or {}
+    base = values.pop("extends", None)
+    return _merge(_read_with_bases(path.parent / base), values) if base else values
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe; `name` defaults to the file's stem and `output_dir` to outputs/NAME. `$VARS` and `~` expand."""
+    path = Path(path)
+    values = _read_with_bases(path)
+    for assignment in overrides:
+        _apply_override(values, assignment)
+    values.setdefault("name", path.stem)
+    values.setdefault("output_dir", f"outputs/{values['name']}")
+    recipe = _build(Recipe, values, "")
+    recipe.data.dir = os.path.expanduser(os.path.expandvars(recipe.data.dir))
+    recipe.output_dir = os.path.expanduser(os.path.expandvars(recipe.output_dir))
+    return recipe
