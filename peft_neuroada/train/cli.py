@@ -1,0 +1,69 @@
+"""The `neuroada` console command: `train`, `eval`, `compare` recipes from configs/, and the `demo` main job."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from .recipes import load_recipe
+
+_SET_HELP = "override a recipe value, e.g. --set training.max_steps=20 --set data.dir=/data (repeatable)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neuroada", description="Fine-tune and evaluate NeuroAda (or LoRA) adapters from YAML recipes."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="fine-tune a recipe, save its adapter and evaluate it")
+    train.add_argument("config", type=Path)
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    train.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+
+    evaluate = commands.add_parser("eval", help="evaluate a recipe's trained adapter (or the base model)")
+    evaluate.add_argument("config", type=Path)
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    which = evaluate.add_mutually_exclusive_group()
+    which.add_argument("--adapter", type=Path, help="adapter folder (default: OUTPUT_DIR/adapter of the recipe)")
+    which.add_argument("--base", action="store_true", help="evaluate the base model without any adapter")
+    evaluate.add_argument("--output", type=Path, help="where results.json/.csv go (default: in OUTPUT_DIR)")
+
+    compare = commands.add_parser("compare", help="train and evaluate several recipes and tabulate them")
+    compare.add_argument("configs", type=Path, nargs="+")
+    compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    compare.add_argument("--output", type=Path, default=Path("outputs/compare"), help="where comparison.* go")
+    compare.add_argument("--no-base", action="store_true", help="do not evaluate the untrained base model")
+
+    demo = commands.add_parser("demo", help="the main job: NeuroAda on SmolLM2-135M, generated tasks, ~5 min on CPU")
+    demo.add_argument("--output", type=Path, default=Path("outputs/neuroada-demo"))
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--k", type=int, default=1)
+    demo.add_argument("--learning-rate", type=float, default=1e-2)
+    demo.add_argument("--train-size", type=int, default=400, help="generated training examples per task")
+    demo.add_argument("--test-size", type=int, default=50, help="generated test examples per task")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # Imported late so `neuroada --help` answers at once.
+    from . import runs
+
+    if args.command == "train":
+        runs.train_and_evaluate(load_recipe(args.config, args.overrides), evaluate=not args.no_eval)
+    elif args.command == "eval":
+        recipe = load_recipe(args.config, args.overrides)
+        adapter = None if args.base else (args.adapter or recipe.adapter_dir)
+        runs.evaluate_saved(recipe, adapter, args.output)
+    elif args.command == "compare":
+        recipes = [load_recipe(config, args.overrides) for config in args.configs]
+        runs.compare(recipes, args.output, include_base=not args.no_base)
+    else:
+        from .demo import print_report, run_demo
+
+        report = run_demo(args.output, args.steps, args.train_size, args.test_size, args.k, args.learning_rate)
+        print_report(report)
+        return 0 if report.merged_matches else 1
+    return 0
