@@ -1,0 +1,119 @@
+"""The `neuroada` command end to end: train, eval, compare on real data with a tiny random Llama, and the demo."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from peft_neuroada.train.cli import main
+from peft_neuroada.train.default_model import default_model_path
+from tests.shared_data import shared_datasets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, saved like any local model."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_recipe(path: Path, model: Path, output_dir: Path, method: str) -> Path:
+    path.write_text(
+        f"""
+model: {model}
+output_dir: {output_dir}
+method: {method}
+data: {{dir: {shared_datasets()}, train: [commonsense_15k, math_10k], train_size: 6, max_length: 384}}
+training: {{learning_rate: 1.0e-2, batch_size: 2, max_steps: 3, warmup: 1, logging_steps: 1, save_steps: 2}}
+evaluation: {{tasks: [ARC-Easy, gsm8k], size: 3, batch_size: 3, max_new_tokens_options: 4, max_new_tokens_number: 4}}
+"""
+    )
+    return path
+
+
+def predictions(results_dir: Path, task: str) -> list[dict]:
+    return [json.loads(line) for line in (results_dir / f"predictions_{task}.jsonl").open()]
+
+
+def test_console_script_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["neuroada"] == "peft_neuroada.train.cli:main"
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in ("train", "eval", "compare", "demo"))
+
+
+def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama_dir, tmp_path):
+    output = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "neuroada.yaml", tiny_llama_dir, output, "{name: neuroada, k: 2}")
+    assert main(["train", str(recipe)]) == 0
+
+    adapter_config = json.loads((output / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["peft_type"] == "NEUROADA" and adapter_config["k"] == 2
+    log = json.loads((output / "train_log.json").read_text())
+    assert log["steps"] == 3 and log["train_examples"] == 6
+    assert [entry["step"] for entry in log["log_history"] if "loss" in entry] == [1, 2, 3]
+    assert (output / "checkpoints" / "checkpoint-2").is_dir()
+    after_training = json.loads((output / "results" / "results.json").read_text())
+    assert set(after_training["tasks"]) == {"ARC-Easy", "gsm8k"} and after_training["method"] == "neuroada k=2"
+    trained_predictions = predictions(output / "results", "gsm8k")
+
+    assert main(["eval", str(recipe)]) == 0
+    assert predictions(output / "results", "gsm8k") == trained_predictions
+
+    assert main(["eval", str(recipe), "--base", "--output", str(tmp_path / "base")]) == 0
+    assert json.loads((tmp_path / "base" / "results.json").read_text())["method"] == "base model"
+    assert (tmp_path / "base" / "results.csv").read_text().splitlines()[-1].startswith("average,")
+
+
+def test_compare_tabulates_neuroada_against_lora(tiny_llama_dir, tmp_path, capsys):
+    neuroada = write_recipe(tmp_path / "n.yaml", tiny_llama_dir, tmp_path / "n", "{name: neuroada, k: 1}")
+    lora = write_recipe(tmp_path / "l.yaml", tiny_llama_dir, tmp_path / "l", "{name: lora, r: 2, alpha: 4}")
+    assert main(["compare", str(neuroada), str(lora), "--output", str(tmp_path / "cmp")]) == 0
+    rows = json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    assert [row["method"] for row in rows] == ["base model", "neuroada k=1", "lora r=2"]
+    assert (
+        all(row["steps"] == 3 for row in rows[1:])
+        and rows[1]["trainable_parameters"] < rows[2]["trainable_parameters"]
+    )
+    assert set(rows[0]) >= {"ARC-Easy", "gsm8k", "average"}
+    assert "| lora r=2 |" in capsys.readouterr().out
+    assert (tmp_path / "cmp" / "comparison.csv").read_text().startswith("method,trainable_parameters,steps")
+
+
+def test_demo_trains_saves_reloads_and_merges_smollm2(tmp_path, capsys):
+    code = main(["demo", "--output", str(tmp_path), "--steps", "2", "--train-size", "8", "--test-size", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "reloaded + merged model answers: identical" in out
+    assert "average" in out and "trained" in out
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    for name in ("base", "trained", "merged"):
+        assert (tmp_path / f"results_{name}" / "results.csv").is_file()
