@@ -62,6 +62,7 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
         report_to="none",
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
 
 
