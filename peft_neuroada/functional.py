@@ -14,6 +14,7 @@ positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] *
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -23,6 +24,10 @@ import torch.nn.functional as F
 
 # Above this k, a sampled sparse-dense matmul (one kernel) beats k gather passes for the delta gradient on CPU.
 _GATHER_LOOP_MAX_K = 4
+# Backward keeps only the input columns the deltas read when they are at most this share of the input.
+_COMPACT_INPUT_MAX_SHARE = 0.5
+# Inputs some layer already keeps whole for backward (q/k/v and gate/up share theirs): others just reference them.
+_INPUTS_KEPT_WHOLE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class Placement(NamedTuple):
@@ -110,6 +115,24 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:
+    """What backward needs of the layer input: the input itself, or only the columns the deltas read.
+
+    Returns the tensor to save and the placements re-indexed into its columns. The input is kept whole when another
+    layer already keeps it (saving a reference is free) or when the deltas read most of its columns.
+    """
+    d_in = x.shape[-1]
+    selected = sum(p.cols.numel() for p in placements)
+    if _INPUTS_KEPT_WHOLE.get(id(x)) is not x and selected <= 2 * d_in:
+        used, local = torch.unique(torch.cat([p.cols.reshape(-1) for p in placements]).long(), return_inverse=True)
+        if used.numel() <= _COMPACT_INPUT_MAX_SHARE * d_in:
+            local_cols = local.split([p.cols.numel() for p in placements])
+            compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
+            return _flatten(x).index_select(1, used), compact
+    _INPUTS_KEPT_WHOLE[id(x)] = x
+    return x, list(placements)
+
+
 class InplaceMergedLinear(torch.autograd.Function):
     """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage (see module docstring)."""
 
@@ -117,21 +140,23 @@ class InplaceMergedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, placements, *deltas):
         with deltas_added(weight, placements, deltas):
             out = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, *deltas)
-        ctx.weight, ctx.placements = weight, placements
+        needs_delta_grads = any(ctx.needs_input_grad[4:])
+        x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
+        ctx.save_for_backward(x_saved, *deltas)
+        ctx.weight, ctx.placements, ctx.input_dtype = weight, placements, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, *deltas = ctx.saved_tensors
+        x_saved, *deltas = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
             with deltas_added(ctx.weight, ctx.placements, deltas):
-                grad_x = (grad_out @ ctx.weight.to(grad_out.dtype)).to(x.dtype)
-        x2d, grad2d = _flatten(x), _flatten(grad_out)
+                grad_x = (grad_out @ ctx.weight.to(grad_out.dtype)).to(ctx.input_dtype)
+        grad2d = _flatten(grad_out)
         grad_deltas = [
-            sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype) if needs else None
-            for placement, delta, needs in zip(ctx.placements, deltas, ctx.needs_input_grad[4:], strict=True)
+            sampled_weight_grad(_flatten(x_saved), grad2d, placement).to(delta.dtype) if needs else None
+            for placement, delta, needs in zip(ctx.saved_placements, deltas, ctx.needs_input_grad[4:], strict=True)
         ]
         return grad_x, None, None, None, *grad_deltas
 

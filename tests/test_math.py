@@ -114,12 +114,8 @@ def test_training_step_leaves_frozen_weight_bit_identical(dtype):
     assert torch.equal(layer.get_base_layer().weight, original)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_backward_keeps_nothing_weight_sized(path):
-    """Backward keeps the layer input, Θ, the indices and at most a reference to the frozen weight: no copy of it,
-    no dense delta, no mask."""
-    layer = make_layer(k=2, path=path, d_in=64, d_out=48)
-    x = inputs(layer, tokens=3)
+def saved_for_backward(run) -> list[torch.Tensor]:
+    """Every tensor autograd saves while `run()` builds the graph."""
     saved: list[torch.Tensor] = []
 
     def keep(tensor):
@@ -127,13 +123,54 @@ def test_backward_keeps_nothing_weight_sized(path):
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        out = layer(x)
+        run()
+    return saved
+
+
+def storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_keeps_nothing_weight_sized(path):
+    """Backward keeps the layer input (or some of its columns), Θ, the indices and at most a reference to the frozen
+    weight: no copy of it, no dense delta, no mask."""
+    layer = make_layer(k=2, path=path, d_in=64, d_out=48)
+    x = inputs(layer, tokens=3)
+    saved = saved_for_backward(lambda: layer(x))
     weight = layer.get_base_layer().weight
+    weight_sized = layer.in_features * layer.out_features
     adapter_tensors = (x, weight, layer.neuroada_delta["default"], layer.neuroada_indices["default"])
-    allowed = {t.untyped_storage().data_ptr() for t in adapter_tensors}
-    assert saved and {t.untyped_storage().data_ptr() for t in saved} <= allowed
-    assert {t.data_ptr() for t in saved} <= allowed
-    out.sum().backward()
+    assert saved and all(
+        t.numel() < weight_sized or t.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+        for t in saved
+    )
+    assert all(t.shape[:-1] == (6,) for t in saved if t.untyped_storage().data_ptr() not in storages(adapter_tensors))
+
+
+def test_backward_keeps_only_the_input_columns_the_deltas_read():
+    layer = make_layer(k=1, d_in=64, d_out=8)
+    x = inputs(layer, tokens=3)
+    (kept, *_) = saved_for_backward(lambda: layer(x))
+    used = layer.neuroada_indices["default"].unique().numel()
+    assert kept.shape == (6, used) and used <= 8
+
+
+def test_layers_reading_the_same_input_share_it_instead_of_copying_it():
+    first, second = make_layer(k=1, d_in=8, d_out=16), make_layer(k=1, d_in=8, d_out=16)
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = saved_for_backward(lambda: (first(x), second(x)))
+    kept_inputs = [t for t in saved if t.shape == x.shape]
+    assert len(kept_inputs) == 2 and storages(kept_inputs) == storages([x])
+
+
+def test_a_frozen_adapter_on_the_inplace_path_keeps_no_input_for_backward():
+    layer = make_layer(k=1).requires_grad_(False)
+    x = inputs(layer)
+    saved = saved_for_backward(lambda: layer(x))
+    assert storages([x]).isdisjoint(storages(saved))
+    layer(x).sum().backward()
+    assert x.grad is not None
 
 
 @pytest.mark.parametrize("path", PATHS)
