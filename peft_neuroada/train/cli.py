@@ -38,11 +38,11 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="the main job: NeuroAda on SmolLM2-135M, generated tasks, ~5 min on CPU")
     demo.add_argument("--output", type=Path, default=Path("outputs/neuroada-demo"))
-    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--steps", type=int, default=80)
     demo.add_argument("--k", type=int, default=1)
     demo.add_argument("--learning-rate", type=float, default=1e-2)
-    demo.add_argument("--train-size", type=int, default=400, help="generated training examples per task")
-    demo.add_argument("--test-size", type=int, default=50, help="generated test examples per task")
+    demo.add_argument("--train-size", type=int, default=300, help="generated training examples per task")
+    demo.add_argument("--test-size", type=int, default=40, help="generated test examples per task")
     return parser
 
 

@@ -69,9 +69,9 @@ def demo_recipe(output_dir: Path, max_steps: int, k: int, learning_rate: float, 
 
 def run_demo(
     output_dir: str | Path = "outputs/neuroada-demo",
-    max_steps: int = 150,
-    train_size: int = 400,
-    test_size: int = 50,
+    max_steps: int = 80,
+    train_size: int = 300,
+    test_size: int = 40,
     k: int = 1,
     learning_rate: float = 1e-2,
 ) -> DemoReport:
