@@ -38,41 +38,55 @@ class Placement(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-def _addressing(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """`(target, dim, index)` such that `target.gather(dim, index)` are the placed entries of `weight`.
-
-    Row-wise 2-D addressing is the fastest; when only some neurons are tuned, the entries are addressed by their flat
-    position in the weight's storage instead (the weight may be a transposed view, as for `Conv1D`).
-    """
+def _flat_positions(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-D view of the weight's storage and the placed entries' positions in it (works for transposed views)."""
     cols = placement.cols.long()
-    if placement.rows is None:
-        return weight, 1, cols
+    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
     storage = weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
-    positions = placement.rows.long()[:, None] * weight.stride(0) + cols * weight.stride(1)
-    return storage, 0, positions.reshape(-1)
+    return storage, (rows[:, None] * weight.stride(0) + cols * weight.stride(1)).reshape(-1)
+
+
+def _row_wise(weight: torch.Tensor, placement: Placement) -> bool:
+    """Row-wise gather/scatter is fastest for float32/64 with every neuron tuned; elsewhere CPU scatter kernels copy
+    a half-precision weight to float32 and back, so flat `index_put_` is used."""
+    return placement.rows is None and weight.dtype in (torch.float32, torch.float64)
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The entries of `weight` at the placement, flattened in delta order."""
-    target, dim, index = _addressing(weight, placement)
-    return target.gather(dim, index).reshape(-1)
+    if _row_wise(weight, placement):
+        return weight.gather(1, placement.cols.long()).reshape(-1)
+    storage, positions = _flat_positions(weight, placement)
+    return storage[positions]
+
+
+def _write_entries(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
+    if _row_wise(weight, placement):
+        cols = placement.cols.long()
+        weight.scatter_(1, cols, values.view(cols.shape))
+    else:
+        storage, positions = _flat_positions(weight, placement)
+        storage.index_put_((positions,), values)
 
 
 def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
-    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals, in order."""
+    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals, in order.
+
+    Positions are unique within one placement; placements of different adapters may overlap and are applied one
+    after another, each reading the entries the previous one wrote.
+    """
     originals = []
     for placement, delta in zip(placements, deltas, strict=True):
-        target, dim, index = _addressing(weight, placement)
-        originals.append(target.gather(dim, index))
-        target.scatter_add_(dim, index, delta.detach().to(weight.dtype).reshape(index.shape))
+        original = placed_entries(weight, placement)
+        _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
+        originals.append(original)
     return originals
 
 
 def restore_(weight: torch.Tensor, placements: Sequence[Placement], originals: Sequence[torch.Tensor]) -> None:
     """Undo `add_deltas_` exactly by writing the originals back in reverse order (positions may overlap)."""
     for placement, original in zip(reversed(placements), reversed(originals), strict=True):
-        target, dim, index = _addressing(weight, placement)
-        target.scatter_(dim, index, original)
+        _write_entries(weight, placement, original)
 
 
 @contextmanager
@@ -96,7 +110,7 @@ def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Plac
     grad2d = _tuned_columns(grad2d, placement.rows)
     cols = placement.cols.long()
     n, k = cols.shape
-    if k <= _GATHER_LOOP_MAX_K or x2d.device.type not in ("cpu", "cuda"):
+    if k <= _GATHER_LOOP_MAX_K or x2d.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
         columns = [(x2d.index_select(1, cols[:, j]) * grad2d).sum(0, dtype=torch.float32) for j in range(k)]
         return torch.stack(columns, dim=1)
     row_offsets = torch.arange(0, n * k + 1, k, device=cols.device)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils.integrations import gather_params_ctx
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -60,7 +61,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         inference_mode: bool = False,
         **kwargs: Any,
     ) -> None:
-        weight = self.weight_out_in()
         if k > self.in_features:
             warnings.warn(
                 f"NeuroAda k={k} exceeds the {self.in_features} inputs of a {type(self.get_base_layer()).__name__} "
@@ -70,19 +70,22 @@ class NeuroAdaLayer(BaseTunerLayer):
             k = self.in_features
         generator = layer_generator(seed, layer_name)
         rows = select_neurons(self.out_features, neuron_fraction, generator)
-        tuned_weight = weight if rows is None else weight[rows.long()]
         strategy = "magnitude" if selection == "gradient" else selection
-        self.neuroada_indices[adapter_name] = select_inputs(tuned_weight, k, strategy, generator)
+        # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
+        with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
+            weight = self.weight_out_in()
+            tuned_weight = weight if rows is None else weight[rows.long()]
+            self.neuroada_indices[adapter_name] = select_inputs(tuned_weight, k, strategy, generator)
+            weight_dtype = weight.dtype
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
         if delta_dtype is not None:
             dtype = DELTA_DTYPES[delta_dtype]
         else:
-            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+            dtype = weight_dtype if weight_dtype.is_floating_point else torch.float32
+        neurons = self.out_features if rows is None else rows.numel()
         self.init_weights[adapter_name] = init_weights
-        self.neuroada_delta[adapter_name] = nn.Parameter(
-            self._initial_delta(adapter_name, tuned_weight.shape[0], k, dtype)
-        )
+        self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
         self.inplace_forward[adapter_name] = inplace_forward
         self._move_adapter_to_device_of_base_layer(adapter_name)
         if delta_dtype is not None:
@@ -90,7 +93,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def _initial_delta(self, adapter_name: str, neurons: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        delta = torch.zeros(neurons, k, dtype=dtype, device=self.weight_out_in().device)
+        delta = torch.zeros(neurons, k, dtype=dtype, device=self.get_base_layer().weight.device)
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:

@@ -8,11 +8,15 @@ from typing import Any
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
 
 from .config import LLAMA_STYLE_TARGETS, TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
 from .layer import Linear, NeuroAdaLayer
 from .registration import PREFIX
+from .selection import index_dtype
+
+_INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
 
 
 class NeuroAdaModel(BaseTuner):
@@ -36,6 +40,14 @@ class NeuroAdaModel(BaseTuner):
             defaults = self.target_module_mapping.get(model_config.get("model_type"), LLAMA_STYLE_TARGETS)
             peft_config.target_modules = set(defaults)
         return peft_config
+
+    def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        """Selection needs whole weights and FSDP must manage the new deltas: inject first, shard second."""
+        if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
+            raise ValueError(
+                "NeuroAda must be added before the model is sharded: call get_peft_model on the plain model, then "
+                "wrap it with fully_shard / FullyShardedDataParallel / accelerator.prepare (see docs/distributed.md)."
+            )
 
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         # Tags end up in the model card written by save_pretrained / push_to_hub.
@@ -104,6 +116,22 @@ class NeuroAdaModel(BaseTuner):
             super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
 
     @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        """The adapter's tensors, with index buffers shrunk to the smallest dtype that holds them (int16 mostly)."""
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        return {
+            key: _compact(value) if key.rsplit(".", 2)[-2] in _INDEX_BUFFERS else value
+            for key, value in selected.items()
+        }
+
+    @classmethod
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
@@ -114,11 +142,15 @@ class NeuroAdaModel(BaseTuner):
         return remapped
 
 
+def _compact(indices: torch.Tensor) -> torch.Tensor:
+    return indices.to(index_dtype(int(indices.max()) + 1)) if indices.numel() else indices
+
+
 def _check_adapter_fits_layer(
     name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
 ) -> None:
     """Validate a layer's saved tensors before loading them, and cast index tensors to the layer's index dtype."""
-    index_bounds = {"neuroada_indices": layer.in_features, "neuroada_rows": layer.out_features}
+    index_bounds = dict(zip(_INDEX_BUFFERS, (layer.in_features, layer.out_features), strict=True))
     for attribute in ("neuroada_delta", *index_bounds):
         key = f"{name}.{attribute}.{adapter_name}"
         container = getattr(layer, attribute)

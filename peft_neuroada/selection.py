@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
 
@@ -23,8 +24,13 @@ _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
 STRATEGIES = (*_SCORES, "gradient")
 
 
+# In memory: a dtype every collective backend (gloo, NCCL) can broadcast, since DDP syncs buffers. On disk indices
+# shrink to `index_dtype` (see NeuroAdaModel._get_adapter_state_dict).
+INDEX_DTYPE = torch.int32
+
+
 def index_dtype(size: int) -> torch.dtype:
-    """Smallest integer dtype able to hold every index into a dimension of `size` entries."""
+    """Smallest integer dtype able to hold every index into a dimension of `size` entries (the saved dtype)."""
     return torch.int16 if size <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
@@ -47,16 +53,18 @@ def _top_k_block(score: torch.Tensor, k: int) -> torch.Tensor:
 def select_inputs(
     weight: torch.Tensor, k: int, strategy: str = "magnitude", generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending, in a compact int dtype.
+    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending.
 
     `magnitude` takes the largest |w| (the paper's default), `reverse` the smallest, `random` a uniform choice.
     For `gradient`, pass the accumulated gradient magnitudes as `weight` with strategy `magnitude`.
     """
     score_of = _SCORES[strategy]
+    if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows
+        weight = weight.full_tensor()
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     d_out, d_in = weight.shape
     rows_per_block = max(1, _MAX_BLOCK_ELEMENTS // d_in)
-    selected = torch.empty(d_out, k, dtype=index_dtype(d_in), device=weight.device)
+    selected = torch.empty(d_out, k, dtype=INDEX_DTYPE, device=weight.device)
     with torch.no_grad():
         for start in range(0, d_out, rows_per_block):
             score = score_of(weight[start : start + rows_per_block], generator)
@@ -70,4 +78,4 @@ def select_neurons(d_out: int, fraction: float, generator: torch.Generator) -> t
         return None
     count = max(1, round(fraction * d_out))
     rows = torch.randperm(d_out, generator=generator)[:count].sort().values
-    return rows.to(index_dtype(d_out))
+    return rows.to(INDEX_DTYPE)

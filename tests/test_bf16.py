@@ -66,20 +66,12 @@ def test_bf16_smollm2_trains_on_a_short_sequence(smollm2_tokenizer):
     assert all(torch.equal(model.get_parameter(name), before[name]) for name in watched)
 
 
-HALF_PRECISION_COPIES = pytest.mark.xfail(
-    strict=True,
-    reason="add_deltas_/restore_ write with scatter_add_/scatter_, whose CPU kernels convert the whole half-precision "
-    "weight to float32 and back (~24 ms instead of ~5 us for a 1536x576 weight); a bf16 SmolLM2 training step costs "
-    "~10x the float32 one",
-)
-
-
 @pytest.mark.parametrize(
     "dtype",
     [
         pytest.param(torch.float32, id="float32"),
-        pytest.param(torch.bfloat16, id="bfloat16", marks=HALF_PRECISION_COPIES),
-        pytest.param(torch.float16, id="float16", marks=HALF_PRECISION_COPIES),
+        pytest.param(torch.bfloat16, id="bfloat16"),
+        pytest.param(torch.float16, id="float16"),
     ],
 )
 def test_inplace_path_never_copies_the_frozen_weight(dtype):

@@ -38,15 +38,7 @@ def loss_and_delta_grads(model, forward, tokens: torch.Tensor) -> tuple[torch.Te
     "k",
     [
         2,
-        pytest.param(
-            20,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="for k > 4, sampled_weight_grad builds a torch.sparse_csr_tensor pattern, which dynamo cannot "
-                "trace ('torch._dynamo.exc.Unsupported: Sparse tensor creation not supported'); without fullgraph "
-                "the backward graph-breaks and runs eagerly",
-            ),
-        ),
+        20,
     ],
 )
 def test_compiled_training_step_matches_eager_without_graph_breaks(k, token_batch):

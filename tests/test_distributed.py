@@ -70,7 +70,6 @@ def single_process_save(tmp_path_factory) -> dict[str, torch.Tensor]:
     return load_file(directory / ADAPTER_FILE)
 
 
-# DDP needs broadcast_buffers=False until the index buffers use a dtype gloo/NCCL can broadcast (see the xfail below).
 @pytest.fixture(scope="module", params=["ddp-no-buffer-broadcast", "fsdp2", "fsdp1"])
 def parallel_run(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(request.param)
@@ -116,11 +115,6 @@ def test_rank0_saves_the_same_adapter_files_as_a_single_process(parallel_run, si
         assert torch.equal(tensor, parallel_run["ranks"][0]["adapter"][f"{name}.default"]), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="neuroada_indices are int16 buffers; DDP broadcasts buffers at construction and gloo (like NCCL) has no "
-    "int16: _sync_module_states raises 'RuntimeError: Invalid scalar type'",
-)
 def test_ddp_with_default_settings_trains(tmp_path, single_process):
     for rank in launch("ddp", tmp_path):
         for name, expected in single_process["deltas"].items():
@@ -132,11 +126,6 @@ def shard_then_inject(tmp_path_factory) -> list[dict]:
     return launch("shard-then-inject", tmp_path_factory.mktemp("shard-then-inject"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="select_inputs runs torch ops on the DTensor itself; aten.nonzero has no sharding rule "
-    "('Sharding propagation failed for aten.nonzero.default')",
-)
 def test_selection_on_a_row_sharded_dtensor_equals_selection_on_the_full_weight(shard_then_inject):
     for rank in shard_then_inject:
         selected = rank["sharded_selection"]
@@ -144,22 +133,12 @@ def test_selection_on_a_row_sharded_dtensor_equals_selection_on_the_full_weight(
         assert torch.equal(selected, rank["full_selection"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after fully_shard the weights are DTensor shards: selection fails inside DTensor (aten.nonzero); if it "
-    "gathered instead, the new deltas would be plain tensors FSDP never reduces and the ranks would silently diverge",
-)
 def test_get_peft_model_after_fully_shard_asks_for_the_right_order(shard_then_inject):
     for rank in shard_then_inject:
         assert rank["inject_after_fsdp2"].startswith("ValueError")
         assert "before" in rank["inject_after_fsdp2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after FSDP1 wrapping each weight is a 1-D slice of the rank's flat shard (empty on some ranks): selection "
-    "fails with 'ValueError: not enough values to unpack (expected 2, got 1)', which does not say what to do",
-)
 def test_get_peft_model_after_fsdp1_wrapping_asks_for_the_right_order(shard_then_inject):
     for rank in shard_then_inject:
         assert rank["inject_after_fsdp1"].startswith("ValueError")
@@ -239,11 +218,6 @@ def test_injected_before_zero3_partitioning_the_model_computes_the_same_outputs(
     assert all(layer.get_base_layer().weight.numel() == 0 for layer in layers), "weights are partitioned again"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="update_layer selects on the partitioned (empty, 1-D) weight: 'ValueError: not enough values to unpack "
-    "(expected 2, got 1)' in select_inputs; it should gather it with peft's gather_params_ctx",
-)
 @pytest.mark.usefixtures("zero3_enabled")
 def test_weights_partitioned_at_load_by_zero3_are_gathered_for_selection():
     """With HF's ZeRO-3 config, from_pretrained loads under zero.Init, so weights are partitioned before injection."""

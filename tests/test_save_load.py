@@ -149,11 +149,14 @@ def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
     assert load_file(save_file_path).keys() == get_peft_model_state_dict(model).keys()
 
 
-def test_loaded_layers_keep_their_index_dtype(tmp_path):
+def test_indices_are_int32_in_memory_and_int16_on_disk(tmp_path):
+    """int32 buffers broadcast on every collective backend (DDP syncs buffers); the file stays compact."""
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert {t.dtype for key, t in saved.items() if key.endswith("neuroada_indices")} == {torch.int16}
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
-    assert all(layer.neuroada_indices["default"].dtype == torch.int16 for layer in layers)
+    assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
 
 
 def test_installed_package_registers_itself_when_peft_is_imported(tmp_path):
