@@ -1,0 +1,49 @@
+"""The training-cost benchmark runs end to end on a tiny model: every variant reports numbers (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "train_cost.py"
+VARIANTS = [
+    "floor",
+    "neuroada-k1",
+    "neuroada-k20",
+    "lora-budget",
+    "lora-r8",
+    "shira-budget",
+    "paper-scatter-k20",
+    "mask-k20",
+    "full",
+]
+
+
+def test_tiny_benchmark_reports_every_variant(tmp_path: Path) -> None:
+    report = tmp_path / "tiny.json"
+    command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1"]
+    command += ["--warmup", "1", "--steps", "1", "--infer-steps", "1", "--json", str(report)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "| neuroada k=20 |" in completed.stdout
+
+    results = {r["variant"]: r for r in json.loads(report.read_text())["results"]}
+    assert sorted(results) == sorted(VARIANTS)
+    for name, result in results.items():
+        assert result["error"] is None, f"{name}: {result['error']}"
+        for key in ("step_wall_s", "step_cpu_s", "infer_wall_s", "infer_cpu_s"):
+            assert math.isfinite(result[key]) and result[key] > 0, (name, key, result[key])
+        assert result["peak_growth_bytes"] > 0, name
+        assert result["saved_bytes"] > 0, name
+        trains = name != "floor"
+        assert (result["trainable_params"] > 0) == trains, name
+        assert (result["grad_bytes"] > 0) == trains and (result["optimizer_bytes"] > 0) == trains, name
+
+    # The parameter budgets the comparison rests on: LoRA/SHiRA are matched to NeuroAda k=20 within one rank step.
+    budget = results["neuroada-k20"]["trainable_params"]
+    for name in ("lora-budget", "shira-budget"):
+        assert abs(results[name]["trainable_params"] - budget) / budget < 0.1, name
+    assert results["paper-scatter-k20"]["trainable_params"] == budget
