@@ -175,6 +175,25 @@ class InplaceMergedLinear(torch.autograd.Function):
         return grad_x, None, None, None, *grad_deltas
 
 
+@torch.library.custom_op("neuroada::scatter_to_columns", mutates_args=())
+def scatter_to_columns(
+    tuned_grad: torch.Tensor, cols: torch.Tensor, delta: torch.Tensor, d_in: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The input gradient of the bypass: `grad_x[:, cols[i, j]] += tuned_grad[:, i] * delta[i, j]`.
+
+    An opaque op to `torch.compile`: inductor's fusion of these index_add_ loops writes out of bounds on CPU.
+    """
+    grad_x = tuned_grad.new_zeros(tuned_grad.shape[0], d_in, dtype=dtype)
+    for j in range(cols.shape[1]):
+        grad_x.index_add_(1, cols[:, j], (tuned_grad * delta[:, j]).to(dtype))
+    return grad_x
+
+
+@scatter_to_columns.register_fake
+def _(tuned_grad: torch.Tensor, cols: torch.Tensor, delta: torch.Tensor, d_in: int, dtype: torch.dtype):
+    return tuned_grad.new_empty(tuned_grad.shape[0], d_in, dtype=dtype)
+
+
 class SparseBypass(torch.autograd.Function):
     """`(P ⊙ Θ) x` alone, for adding to an untouched base layer's output."""
 
@@ -198,12 +217,8 @@ class SparseBypass(torch.autograd.Function):
         placement = ctx.placement
         grad_x = grad_delta = None
         if ctx.needs_input_grad[0]:
-            cols = placement.cols.long()
             tuned_grad = _tuned_columns(grad2d, placement.rows)
-            grad_x = torch.zeros_like(x2d)
-            for j in range(cols.shape[1]):
-                grad_x.index_add_(1, cols[:, j], (tuned_grad * delta[:, j]).to(x.dtype))
-            grad_x = grad_x.view_as(x)
+            grad_x = scatter_to_columns(tuned_grad, placement.cols.long(), delta, x2d.shape[1], x.dtype).view_as(x)
         if ctx.needs_input_grad[3]:
             grad_delta = sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype)
         return grad_x, None, None, grad_delta

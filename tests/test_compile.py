@@ -85,12 +85,6 @@ def inductor_gradient_errors() -> tuple[float, float]:
     return tuple((c - e).abs().max().item() for c, e in zip(compiled, eager, strict=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="inductor fuses SparseBypass.backward's `grad_x.index_add_(1, cols[:, j], ...)` into a tiled CPU kernel "
-    "that folds the index's stride into the row offset (64*i instead of 32*i) and writes out of bounds: the process "
-    "aborts with 'malloc(): invalid size' or 'free(): invalid next size'",
-)
 def test_inductor_compiled_backward_matches_eager():
     script = "from tests.test_compile import inductor_gradient_errors; print(*inductor_gradient_errors())"
     process = subprocess.Popen(
