@@ -141,7 +141,7 @@ def shard_then_inject(rank: int, out: Path) -> None:
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {
     "ddp": lambda rank, out: train_wrapped(DistributedDataParallel, full_state, rank, out),
-    # The documented workaround while the int16 index buffers cannot be broadcast (see docs/distributed.md).
+    # DDP without buffer broadcasting (a common setting): every rank must still select the same indices itself.
     "ddp-no-buffer-broadcast": lambda rank, out: train_wrapped(
         lambda model: DistributedDataParallel(model, broadcast_buffers=False), full_state, rank, out
     ),

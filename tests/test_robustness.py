@@ -59,10 +59,11 @@ def test_invalid_config_fields_are_refused_by_name(saved_adapter, field, value, 
         PeftModel.from_pretrained(tiny_llama(), adapter_dir)
 
 
-def test_indices_saved_as_int32_load_like_compact_ones(saved_adapter, token_batch):
+@pytest.mark.parametrize("saved_dtype", [torch.int32, torch.int64])
+def test_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, token_batch, saved_dtype):
     model, adapter_dir = saved_adapter
     weights = adapter_dir / "adapter_model.safetensors"
-    tensors = {k: v.to(torch.int32) if k.endswith("indices") else v for k, v in load_file(weights).items()}
+    tensors = {k: v.to(saved_dtype) if k.endswith("indices") else v for k, v in load_file(weights).items()}
     save_file(tensors, weights)
     for low_cpu_mem_usage in (False, True):
         loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)
