@@ -22,6 +22,20 @@ import peft_neuroada  # noqa: F401  (registers the NEUROADA peft type)
 from peft_neuroada.train.default_model import default_model_path, load_default_model
 
 
+def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
+    """`steps` Adam steps of language modelling on one token batch; returns the loss before each step."""
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.selection import select_inputs
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_llama, train_on_batch
 
 WORLD_SIZE = 2
 STEPS = 5
@@ -44,20 +44,6 @@ def neuroada_config() -> NeuroAdaConfig:
 def rank_batch(rank: int) -> torch.Tensor:
     """Each rank's own token batch: data-parallel ranks see different data."""
     return torch.randint(0, 128, BATCH_SHAPE, generator=torch.Generator().manual_seed(100 + rank))
-
-
-def train(model: nn.Module, tokens: torch.Tensor) -> list[float]:
-    """A few Adam steps on one batch; returns the loss before each step."""
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-    model.train()
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def adapter_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -99,7 +85,7 @@ def train_wrapped(
     """NeuroAda first, then the parallel wrapper; train, gather the adapter on every rank, save it on rank 0."""
     peft_model = get_peft_model(tiny_llama(), neuroada_config())
     wrapped = wrap(peft_model)
-    losses = train(wrapped, rank_batch(rank))
+    losses = train_on_batch(wrapped, rank_batch(rank), STEPS, LEARNING_RATE)
     state = gather(wrapped)
     if rank == 0:
         peft_model.save_pretrained(out / "adapter", state_dict=state)

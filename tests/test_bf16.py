@@ -14,20 +14,7 @@ from torch import nn
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layer import Linear
 from peft_neuroada.train.default_model import load_default_model
-from tests.conftest import tiny_llama
-
-
-def train(model, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+from tests.conftest import tiny_llama, train_on_batch
 
 
 def deltas(model) -> list[torch.nn.Parameter]:
@@ -39,7 +26,7 @@ def test_bf16_tiny_llama_trains_float32_deltas(inplace_forward, token_batch):
     model = get_peft_model(tiny_llama().to(torch.bfloat16), NeuroAdaConfig(k=2, inplace_forward=inplace_forward))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
-    losses = train(model, token_batch, steps=5, lr=1e-2)
+    losses = train_on_batch(model, token_batch, steps=5, lr=1e-2)
 
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
@@ -58,7 +45,7 @@ def test_bf16_smollm2_trains_on_a_short_sequence(smollm2_tokenizer):
     before = {name: model.get_parameter(name).detach().clone() for name in watched}
     tokens = smollm2_tokenizer("The capital of France is Paris. The capital of Italy is Rome.", return_tensors="pt")
 
-    losses = train(model, tokens.input_ids, steps=2, lr=1e-3)
+    losses = train_on_batch(model, tokens.input_ids, steps=2, lr=1e-3)
 
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import tiny_llama
-from tests.distributed_worker import WORLD_SIZE, neuroada_config, rank_batch, train
+from tests.conftest import tiny_llama, train_on_batch
+from tests.distributed_worker import LEARNING_RATE, STEPS, WORLD_SIZE, neuroada_config, rank_batch
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 120
@@ -58,7 +58,7 @@ def single_process() -> dict:
     """The reference: one process, the same config, trained on all ranks' batches at once."""
     model = get_peft_model(tiny_llama(), neuroada_config())
     indices = {n: b.clone() for n, b in model.named_buffers() if "neuroada_indices" in n}
-    train(model, torch.cat([rank_batch(rank) for rank in range(WORLD_SIZE)]))
+    train_on_batch(model, torch.cat([rank_batch(rank) for rank in range(WORLD_SIZE)]), STEPS, LEARNING_RATE)
     deltas = {n: p.detach().clone() for n, p in model.named_parameters() if "neuroada_delta" in n}
     return {"indices": indices, "deltas": deltas}
 
