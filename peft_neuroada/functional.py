@@ -147,13 +147,18 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
     return x, list(placements)
 
 
+def merged_linear(x, weight, bias, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage, with no autograd bookkeeping."""
+    with deltas_added(weight, placements, deltas):
+        return F.linear(x, weight, bias)
+
+
 class InplaceMergedLinear(torch.autograd.Function):
-    """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage (see module docstring)."""
+    """`merged_linear` with the deltas' gradient (see module docstring)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, placements, *deltas):
-        with deltas_added(weight, placements, deltas):
-            out = F.linear(x, weight, bias)
+        out = merged_linear(x, weight, bias, placements, *deltas)
         needs_delta_grads = any(ctx.needs_input_grad[4:])
         x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
         ctx.save_for_backward(x_saved, *deltas)

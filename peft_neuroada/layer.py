@@ -13,7 +13,15 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import DELTA_DTYPES
-from .functional import InplaceMergedLinear, Placement, SparseBypass, add_deltas_, placed_entries, restore_
+from .functional import (
+    InplaceMergedLinear,
+    Placement,
+    SparseBypass,
+    add_deltas_,
+    merged_linear,
+    placed_entries,
+    restore_,
+)
 from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
@@ -183,7 +191,9 @@ class Linear(nn.Module, NeuroAdaLayer):
         placements = tuple(self.placement(name) for name in active)
         deltas = [self.neuroada_delta[name] for name in active]
         if self._inplace_forward_is_safe(active):
-            return InplaceMergedLinear.apply(x, self.weight_out_in(), self.get_base_layer().bias, placements, *deltas)
+            # Under no_grad (inference, generation) autograd.Function still reports the deltas as needing gradients.
+            merged = InplaceMergedLinear.apply if torch.is_grad_enabled() else merged_linear
+            return merged(x, self.weight_out_in(), self.get_base_layer().bias, placements, *deltas)
         result = self.base_layer(x, *args, **kwargs)
         for placement, delta in zip(placements, deltas, strict=True):
             result = result + SparseBypass.apply(x, placement, self.out_features, delta).to(result.dtype)
