@@ -104,7 +104,9 @@ def test_compare_tabulates_neuroada_against_lora(tiny_llama_dir, tmp_path, capsy
         and rows[1]["trainable_parameters"] < rows[2]["trainable_parameters"]
     )
     assert set(rows[0]) >= {"ARC-Easy", "gsm8k", "average"}
-    assert "| lora r=2 |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| lora r=2 |" in table
+    assert "| base model | - | - | - |" in table, "an untrained row shows no training cost"
     assert (tmp_path / "cmp" / "comparison.csv").read_text().startswith("method,trainable_parameters,steps")
 
 

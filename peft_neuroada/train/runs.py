@@ -99,6 +99,8 @@ def format_table(summaries: list[RunSummary]) -> str:
         accuracies = summary.accuracies()
         cells = [f"{100 * accuracies[c]:.1f}" if c in accuracies else "-" for c in columns]
         cost = [f"{summary.trainable_parameters:,}", str(summary.steps), f"{summary.train_seconds:.0f} s"]
+        if not summary.steps:  # the base model, or an adapter evaluated apart from its training
+            cost = ["-"] * len(cost)
         lines.append(f"| {summary.label} | " + " | ".join(cost + cells) + " |")
     return "\n".join(lines)
 
