@@ -22,6 +22,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 # Above this k, a sampled sparse-dense matmul (one kernel) beats k gather passes for the delta gradient on CPU.
 _GATHER_LOOP_MAX_K = 4
 # Backward keeps only the input columns the deltas read when they are at most this share of the input.
@@ -61,7 +63,9 @@ def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def _write_entries(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    if _row_wise(weight, placement):
+    if native.usable(weight, values):
+        native.write_entries_(weight, placement.cols, placement.rows, values.view(placement.cols.shape))
+    elif _row_wise(weight, placement):
         cols = placement.cols.long()
         weight.scatter_(1, cols, values.view(cols.shape))
     else:
@@ -77,8 +81,11 @@ def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: S
     """
     originals = []
     for placement, delta in zip(placements, deltas, strict=True):
-        original = placed_entries(weight, placement)
-        _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
+        if native.usable(weight, delta):
+            original = native.add_deltas_(weight, placement.cols, placement.rows, delta).reshape(-1)
+        else:
+            original = placed_entries(weight, placement)
+            _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
         originals.append(original)
     return originals
 
@@ -107,6 +114,8 @@ def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor
 
 def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The dense weight gradient `grad2d.T @ x2d` sampled at the placement, in float32, without forming it."""
+    if native.usable(x2d, grad2d):
+        return native.sampled_weight_grad(x2d, grad2d, placement.cols, placement.rows)
     grad2d = _tuned_columns(grad2d, placement.rows)
     cols = placement.cols.long()
     n, k = cols.shape
