@@ -9,7 +9,8 @@ Two autograd paths share the same primitives:
   (quantized, sharded, trainable, or traced by `torch.compile`).
 
 Both save only the layer input for backward; the delta gradient is the dense weight gradient sampled at the selected
-positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`.
+positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`. On CPU, float32
+entry updates and that sampled product run as fused C kernels (`native`); torch ops are the general fallback.
 """
 
 from __future__ import annotations

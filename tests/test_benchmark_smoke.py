@@ -1,4 +1,4 @@
-"""The training-cost benchmark runs end to end on a tiny model: every variant reports numbers (no timing asserts)."""
+"""The benchmarks run end to end on tiny inputs: every variant and candidate reports numbers (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "train_cost.py"
+from peft_neuroada import native
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARK = BENCHMARKS / "train_cost.py"
 VARIANTS = [
     "floor",
     "neuroada-k1",
@@ -47,3 +50,29 @@ def test_tiny_benchmark_reports_every_variant(tmp_path: Path) -> None:
     for name in ("lora-budget", "shira-budget"):
         assert abs(results[name]["trainable_params"] - budget) / budget < 0.1, name
     assert results["paper-scatter-k20"]["trainable_params"] == budget
+
+
+def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
+    """Each candidate is checked against a reference before it is timed, so a run that completes computed right."""
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "primitives.py"), "--tokens", "24", "--d-in", "16"]
+    command += ["--d-out", "40", "--k", "1", "5", "--repeats", "1"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    timed = {(op.strip(), candidate.strip(), k.strip()) for op, candidate, k, *_ in rows}
+    expected_candidates = {
+        ("delta grad", "sampled_addmm"),
+        ("forward", "inplace_merge"),
+        ("layer fwd+bwd", "neuroada k={k}"),
+        ("layer fwd+bwd", "frozen nn.Linear"),
+    }
+    if native.library() is not None:
+        expected_candidates |= {
+            ("delta grad", "native"),
+            ("forward", "inplace_native"),
+            ("input grad", "input_inplace_native"),
+        }
+    for k in ("1", "5"):
+        for op, candidate in expected_candidates:
+            assert (op, candidate.format(k=k), k) in timed, (op, candidate, k)
+    assert all(float(row[-1]) > 0 for row in rows)
