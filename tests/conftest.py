@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoModel,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -70,6 +71,17 @@ def minilm_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def real_minilm() -> BertModel:
+    """Real all-MiniLM-L6-v2 BERT encoder (6 layers, hidden size 384), in eval mode."""
+    return AutoModel.from_pretrained(minilm_path()).eval()
+
+
+def real_minilm_classifier(head_seed: int = 0):
+    """Real all-MiniLM-L6-v2 encoder with a fresh 2-way classification head drawn with `head_seed`."""
+    torch.manual_seed(head_seed)
+    return AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2).eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return default_model_path()
@@ -90,8 +102,7 @@ def smollm2_tokenizer():
 @pytest.fixture
 def minilm_classifier():
     """Real all-MiniLM-L6-v2 BERT encoder with a fresh 2-way classification head."""
-    torch.manual_seed(0)
-    return AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2).eval()
+    return real_minilm_classifier()
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, k_for_budget, select_by_gradient
 from peft_neuroada.budget import lora_parameter_count, neuroada_parameter_count, targeted_shapes
 from tests.conftest import tiny_llama
+from tests.test_peft_behaviour import logits
+from tests.test_selection import indices_by_layer
 
 
 def test_k_for_a_lora_budget_matches_lora_trainable_parameters_on_smollm2(smollm2):
@@ -77,3 +79,25 @@ def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(sm
     select_by_gradient(model, [{**batch, "labels": batch["input_ids"]}])
     assert not torch.equal(layer.neuroada_indices["default"], by_magnitude)
     assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
+
+
+@pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
+def test_reloading_a_gradient_selected_adapter_reproduces_its_indices_and_outputs(tmp_path, token_batch):
+    """Gradient selection cannot be redone at load time (no batches): the saved indices must be used as they are."""
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (2, 2, 10))]
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    by_magnitude = indices_by_layer(model)
+    select_by_gradient(model, batches)
+    with torch.no_grad():  # stands in for training the re-placed deltas
+        for name, parameter in model.named_parameters():
+            if "neuroada_delta" in name:
+                parameter.normal_(std=0.05)
+    by_gradient = indices_by_layer(model)
+    assert any(not torch.equal(by_gradient[name], indices) for name, indices in by_magnitude.items())
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    assert reloaded.peft_config["default"].selection == "gradient"
+    reloaded_indices = indices_by_layer(reloaded)
+    assert reloaded_indices.keys() == by_gradient.keys()
+    assert all(torch.equal(reloaded_indices[name], indices) for name, indices in by_gradient.items())
+    assert torch.equal(logits(reloaded, token_batch), logits(model, token_batch))

@@ -2,7 +2,8 @@
 
 While tracing, `_inplace_forward_is_safe` is False, so the compiled graph uses the sparse bypass and never writes into
 the frozen weights. The Llama test uses backend="aot_eager" (dynamo + AOTAutograd, no code generation; ~15 s here):
-inductor needs over a minute to compile even the tiny Llama on two shared cores. Inductor itself is checked on a
+inductor needs over a minute to compile even the tiny Llama on two shared cores. The real MiniLM test compiles each
+encoder layer on its own (~10 s; the whole model takes over a minute). Inductor itself is checked on a
 single residual block, in a child process, because the failure it guards against crashes the interpreter.
 """
 
@@ -50,6 +51,35 @@ def test_compiled_training_step_matches_eager_without_graph_breaks(k, token_batc
     compiled_loss, compiled_grads = loss_and_delta_grads(model, compiled, token_batch)
 
     torch.testing.assert_close(compiled_loss, eager_loss)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, msg=name)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_compiled_real_minilm_layers_match_eager_forward_and_backward(minilm_classifier):
+    """Pretrained BERT, each encoder layer compiled with aot_eager (regional compilation: one graph, reused by all
+    six layers; enable_input_require_grads keeps the first layer from recompiling for an input without grad)."""
+    model = get_peft_model(minilm_classifier, NeuroAdaConfig(k=2, init_weights=False))
+    model.enable_input_require_grads()
+    tokens = torch.randint(0, 30000, (2, 9), generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 1])
+
+    def logits_and_delta_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        output = model(input_ids=tokens, labels=labels)
+        output.loss.backward()
+        return output.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    eager_logits, eager_grads = logits_and_delta_grads()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for layer in model.base_model.model.bert.encoder.layer:
+        layer.compile(backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
+    compiled_logits, compiled_grads = logits_and_delta_grads()
+
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before
+    torch.testing.assert_close(compiled_logits, eager_logits)
     assert compiled_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, msg=name)

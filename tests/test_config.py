@@ -10,6 +10,15 @@ import torch
 from peft import PeftConfig, PeftType, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from torch import nn
+from transformers import (
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    RobertaConfig,
+    RobertaModel,
+)
+from transformers.pytorch_utils import Conv1D
 
 import peft_neuroada
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, NeuroAdaModel
@@ -18,6 +27,24 @@ from tests.conftest import tiny_bert, tiny_gpt2, tiny_llama
 
 def adapted_names(model) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+
+
+TINY_SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
+
+
+def tiny_mistral() -> MistralForCausalLM:
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**TINY_SIZES, num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_SIZES, num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def tiny_roberta() -> RobertaModel:
+    torch.manual_seed(0)
+    return RobertaModel(RobertaConfig(**TINY_SIZES, num_attention_heads=4)).eval()
 
 
 def test_import_registers_neuroada_peft_type():
@@ -53,6 +80,8 @@ def test_config_roundtrips_through_json(tmp_path):
         ({"bias": "all"}, "bias must be 'none'"),
         ({"delta_dtype": "int8"}, "delta_dtype must be one of"),
         ({"layers_pattern": "layers"}, "only has an effect together with layers_to_transform"),
+        ({"neuron_fraction": 0}, r"neuron_fraction must be in \(0, 1\]"),
+        ({"neuron_fraction": 1.5}, r"neuron_fraction must be in \(0, 1\]"),
     ],
 )
 def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
@@ -66,12 +95,21 @@ def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
         (tiny_llama, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
         (tiny_gpt2, {"c_attn", "c_proj", "c_fc"}),
         (tiny_bert, {"query", "key", "value", "dense"}),
+        (tiny_mistral, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+        (tiny_qwen2, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+        (tiny_roberta, {"query", "key", "value", "dense"}),
     ],
-    ids=["llama", "gpt2", "bert"],
+    ids=["llama", "gpt2", "bert", "mistral", "qwen2", "roberta"],
 )
 def test_architecture_default_targets(make_model, expected):
-    model = get_peft_model(make_model(), NeuroAdaConfig())
+    """Every linear layer with a default name is adapted, and nothing else."""
+    base = make_model()
+    linear_types = (nn.Linear, Conv1D)
+    wanted = {n for n, m in base.named_modules() if isinstance(m, linear_types) and n.rsplit(".", 1)[-1] in expected}
+    model = get_peft_model(base, NeuroAdaConfig())
     assert adapted_names(model) == expected
+    adapted = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+    assert adapted == wanted
 
 
 def test_gpt2_conv1d_layers_use_fan_in_fan_out_automatically():

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import nn
-from transformers import AutoModel, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import minilm_path, tiny_bert, tiny_gpt2, tiny_llama
+from tests.conftest import real_minilm, real_minilm_classifier, tiny_bert, tiny_gpt2, tiny_llama
 
 SMOLLM2_TARGET_OUT_FEATURES = {"q_proj": 576, "k_proj": 192, "v_proj": 192, "o_proj": 576}
 SMOLLM2_TARGET_OUT_FEATURES |= {"gate_proj": 1536, "up_proj": 1536, "down_proj": 576}
@@ -21,18 +23,29 @@ def logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
+def logits_of(model, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch).logits
+
+
 def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
     """Last hidden state (or logits): what every architecture's forward returns first."""
     with torch.no_grad():
         return model(tokens)[0]
 
 
-def real_minilm():
-    return AutoModel.from_pretrained(minilm_path()).eval()
-
-
 def neuroada_layers(model) -> list[NeuroAdaLayer]:
     return [m for m in model.modules() if isinstance(m, NeuroAdaLayer)]
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    """Copies of every frozen weight wrapped by a NeuroAda layer, by module name."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+    return {n: layer.get_base_layer().weight.detach().clone() for n, layer in layers.items()}
+
+
+# A tiny random model and a real pretrained one, for behaviour that must hold on both.
+TINY_AND_REAL = pytest.mark.parametrize("make_model", [tiny_llama, real_minilm], ids=["tiny-llama", "real-minilm"])
 
 
 def test_k1_on_smollm2_trains_exactly_one_delta_per_neuron(smollm2, capsys):
@@ -58,6 +71,22 @@ def test_inject_adapter_in_model_adapts_a_plain_module(token_batch):
     assert all(layer.neuroada_delta["default"].grad is not None for layer in neuroada_layers(model))
 
 
+def test_inject_adapter_in_model_adapts_every_default_target_of_real_minilm(token_batch):
+    """Without a PeftModel wrapper, a pretrained BERT gets BERT's default targets, starts unchanged and trains."""
+    model = real_minilm()
+    defaults = {"query", "key", "value", "dense"}
+    expected = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in defaults}
+    before = hidden(model, token_batch)
+    model = inject_adapter_in_model(NeuroAdaConfig(k=2), model)
+    assert {n for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)} == expected
+    assert torch.equal(hidden(model, token_batch), before)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.neuroada_delta.default" for n in expected}
+    output = model(token_batch)  # the pooler's dense layer only feeds pooler_output
+    (output.last_hidden_state.square().mean() + output.pooler_output.square().mean()).backward()
+    assert all(layer.neuroada_delta["default"].grad.abs().sum() > 0 for layer in neuroada_layers(model))
+
+
 def test_training_steps_on_smollm2_lower_the_loss_and_change_only_deltas(smollm2, smollm2_tokenizer):
     batch = smollm2_tokenizer(["The capital of France is Paris."] * 2, return_tensors="pt")
     model = get_peft_model(smollm2, NeuroAdaConfig(k=1))
@@ -74,19 +103,20 @@ def test_training_steps_on_smollm2_lower_the_loss_and_change_only_deltas(smollm2
     assert all(torch.equal(p, frozen_before[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
-def test_multiple_adapters_add_set_combine_and_delete(token_batch):
-    base_logits = logits(tiny_llama(), token_batch)
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")
+@TINY_AND_REAL
+def test_multiple_adapters_add_set_combine_and_delete(make_model, token_batch):
+    base_outputs = hidden(make_model(), token_batch)
+    model = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")
     model.add_adapter("two", NeuroAdaConfig(k=3, init_weights=False))
-    only_one = logits(model, token_batch)
+    only_one = hidden(model, token_batch)
     model.set_adapter("two")
-    only_two = logits(model, token_batch)
+    only_two = hidden(model, token_batch)
     assert not torch.allclose(only_one, only_two)
     assert model.active_adapters == ["two"]
     assert all(not p.requires_grad for n, p in model.named_parameters() if n.endswith("neuroada_delta.one"))
 
     model.base_model.set_adapter(["one", "two"])
-    both = logits(model, token_batch)
+    both = hidden(model, token_batch)
     layer = neuroada_layers(model)[0]
     x = torch.randn(3, layer.in_features)
     summed = layer.get_base_layer()(x) + x @ (layer.get_delta_weight("one") + layer.get_delta_weight("two")).T
@@ -96,8 +126,8 @@ def test_multiple_adapters_add_set_combine_and_delete(token_batch):
     model.delete_adapter("two")
     assert set(model.peft_config) == {"one"}
     assert all("neuroada_delta.two" not in n for n, _ in model.named_parameters())
-    torch.testing.assert_close(logits(model, token_batch), only_one)
-    assert not torch.allclose(only_one, base_logits)
+    torch.testing.assert_close(hidden(model, token_batch), only_one)
+    assert not torch.allclose(only_one, base_outputs)
 
 
 def test_disable_adapter_context_gives_base_model_outputs(smollm2, token_batch):
@@ -125,23 +155,30 @@ def test_merge_unmerge_and_merge_and_unload_on_smollm2(smollm2, token_batch):
     torch.testing.assert_close(logits(merged, token_batch), adapted, rtol=0, atol=1e-4)
 
 
-def test_unload_returns_the_untouched_base_model(token_batch):
-    base_logits = logits(tiny_llama(), token_batch)
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+@TINY_AND_REAL
+def test_unload_returns_the_untouched_base_model(make_model, token_batch):
+    base_outputs = hidden(make_model(), token_batch)
+    model = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False))
+    assert not torch.equal(hidden(model, token_batch), base_outputs)
     unloaded = model.unload()
     assert not neuroada_layers(unloaded)
-    assert torch.equal(logits(unloaded, token_batch), base_logits)
+    assert torch.equal(hidden(unloaded, token_batch), base_outputs)
 
 
-def test_safe_merge_refuses_non_finite_deltas_and_leaves_weights_untouched():
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2))
+@pytest.mark.parametrize("bad_value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+def test_safe_merge_refuses_non_finite_deltas_and_leaves_weights_untouched(bad_value):
+    """A broken delta must neither reach the weights nor leave half-merged entries behind."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
     layer = neuroada_layers(model)[0]
-    weight_before = layer.get_base_layer().weight.detach().clone()
+    weights_before = base_weights(model)
     with torch.no_grad():
-        layer.neuroada_delta["default"][0, 0] = float("nan")
+        layer.neuroada_delta["default"][0, 0] = bad_value
     with pytest.raises(ValueError, match="NaN/inf"):
         model.merge_and_unload(safe_merge=True)
-    assert torch.equal(layer.get_base_layer().weight, weight_before)
+    assert not layer.merged
+    weights_after = base_weights(model)
+    assert weights_after.keys() == weights_before.keys()
+    assert all(torch.equal(weights_after[n], w) for n, w in weights_before.items())
 
 
 def test_modules_to_save_trains_and_saves_the_minilm_classification_head(minilm_classifier, tmp_path):
@@ -157,19 +194,54 @@ def test_modules_to_save_trains_and_saves_the_minilm_classification_head(minilm_
     assert {"base_model.model.classifier.weight", "base_model.model.classifier.bias"} <= set(saved)
 
 
-def test_gradient_checkpointing_gives_the_same_delta_gradients(smollm2, token_batch):
+def test_modules_to_save_head_round_trips_through_save_and_reload(minilm_classifier, minilm_tokenizer, tmp_path):
+    """The trained head comes from the adapter file, not from the fresh head of the model it is loaded onto."""
+    batch = minilm_tokenizer(["a fine film", "a dull film"], return_tensors="pt", padding=True)
+    model = get_peft_model(minilm_classifier, NeuroAdaConfig(k=1, init_weights=False, modules_to_save=["classifier"]))
+    with torch.no_grad():  # stands in for training the head copy
+        for parameter in model.base_model.model.classifier.modules_to_save["default"].parameters():
+            parameter.add_(torch.randn_like(parameter))
+    expected = logits_of(model, batch)
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(real_minilm_classifier(head_seed=1), tmp_path)
+    assert torch.equal(logits_of(reloaded, batch), expected)
+
+
+def test_print_trainable_parameters_reports_the_trainable_share_of_all_parameters(minilm_classifier, capsys):
+    """The printed counts and percentage are those of the model's own parameters (head copy included)."""
+    model = get_peft_model(minilm_classifier, NeuroAdaConfig(k=1, modules_to_save=["classifier"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    model.print_trainable_parameters()
+    printed = re.search(
+        r"trainable params: ([\d,]+) \|\| all params: ([\d,]+) \|\| trainable%: ([\d.]+)", capsys.readouterr().out
+    )
+    assert printed is not None
+    assert (int(printed[1].replace(",", "")), int(printed[2].replace(",", ""))) == (trainable, total)
+    assert float(printed[3]) == pytest.approx(100 * trainable / total, abs=5e-5)  # printed with 4 decimals
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_delta_gradients(smollm2, token_batch):
+    """Checkpointing is really active (each layer runs again during backward) and changes no gradient."""
     model = get_peft_model(smollm2, NeuroAdaConfig(k=1, init_weights=False))
+    forward_calls = []
+    model.base_model.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: forward_calls.append(1))
 
-    def delta_grads() -> list[torch.Tensor]:
+    def delta_grads_and_calls_in_backward() -> tuple[list[torch.Tensor], int]:
         model.zero_grad()
-        model(token_batch, labels=token_batch).loss.backward()
-        return [p.grad.clone() for n, p in model.named_parameters() if "neuroada_delta" in n]
+        loss = model(token_batch, labels=token_batch).loss
+        calls_in_forward = len(forward_calls)
+        loss.backward()
+        calls_in_backward = len(forward_calls) - calls_in_forward
+        forward_calls.clear()
+        return [p.grad.clone() for n, p in model.named_parameters() if "neuroada_delta" in n], calls_in_backward
 
-    plain = delta_grads()
+    plain, plain_recomputations = delta_grads_and_calls_in_backward()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     model.train()
-    checkpointed = delta_grads()
+    checkpointed, checkpointed_recomputations = delta_grads_and_calls_in_backward()
+    assert (plain_recomputations, checkpointed_recomputations) == (0, 1)
     for a, b in zip(plain, checkpointed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 

@@ -12,7 +12,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import tiny_llama
+from tests.conftest import real_minilm, tiny_bert, tiny_llama
 
 
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,3 +110,25 @@ def test_saving_twice_replaces_the_adapter_completely(saved_adapter, token_batch
     reloaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir)
     assert reloaded.peft_config["default"].k == 5
     assert torch.equal(logits(reloaded, token_batch), logits(newer, token_batch))
+
+
+@pytest.fixture
+def saved_minilm_adapter(tmp_path):
+    """An adapter of the real MiniLM encoder, saved to disk."""
+    get_peft_model(real_minilm(), NeuroAdaConfig(k=2, init_weights=False)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_truncated_real_minilm_adapter_file_is_named_in_a_clear_error(saved_minilm_adapter):
+    weights = saved_minilm_adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"adapter weights file '.*adapter_model\.safetensors' is damaged"):
+        PeftModel.from_pretrained(real_minilm(), saved_minilm_adapter)
+
+
+def test_real_minilm_adapter_on_a_narrower_bert_names_the_first_layer_that_does_not_fit(saved_minilm_adapter):
+    """Same architecture and module names, other widths: refused by layer name instead of a bare shape error."""
+    with pytest.raises(
+        ValueError, match=r"does not fit the base model at layer '.*encoder\.layer\.0\.attention\.self\.query'"
+    ):
+        PeftModel.from_pretrained(tiny_bert(), saved_minilm_adapter)

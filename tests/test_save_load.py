@@ -22,10 +22,12 @@ from peft import (
     set_peft_model_state_dict,
 )
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
 from tests.conftest import tiny_llama
+from tests.test_peft_behaviour import TINY_AND_REAL, hidden
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,14 +101,16 @@ def test_low_cpu_mem_usage_loading_gives_the_same_model(trained_smollm2_adapter,
     assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
 
 
-def test_state_dict_helpers_move_an_adapter_between_models(token_batch):
-    source = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+@TINY_AND_REAL
+def test_state_dict_helpers_move_an_adapter_between_models(make_model, token_batch):
+    source = get_peft_model(make_model(), NeuroAdaConfig(k=3, init_weights=False))
     state = get_peft_model_state_dict(source)
-    assert all(key.endswith(("neuroada_delta", "neuroada_indices")) for key in state)
-    target = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3))
+    assert state and all(key.endswith(("neuroada_delta", "neuroada_indices")) for key in state)
+    target = get_peft_model(make_model(), NeuroAdaConfig(k=3))
+    assert not torch.equal(hidden(target, token_batch), hidden(source, token_batch))
     result = set_peft_model_state_dict(target, state)
     assert not result.unexpected_keys
-    assert torch.equal(logits(target, token_batch), logits(source, token_batch))
+    assert torch.equal(hidden(target, token_batch), hidden(source, token_batch))
 
 
 def test_loading_onto_a_differently_shaped_base_names_the_layer(tmp_path):
@@ -157,6 +161,35 @@ def test_indices_are_int32_in_memory_and_int16_on_disk(tmp_path):
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
     assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
+
+
+class WideInput(nn.Module):
+    """One nn.Linear(40000, 4) whose largest weights sit in columns past int16's range (32767)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Linear(40000, 4)
+        with torch.no_grad():
+            self.wide.weight[:, [32768, 39999]] = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x)
+
+
+def test_indices_past_the_int16_range_are_saved_as_int32_and_load_back(tmp_path):
+    """A layer with more than 32768 inputs must not wrap its column indices around when saved compactly."""
+    model = get_peft_model(WideInput(), NeuroAdaConfig(k=2, target_modules=["wide"], init_weights=False))
+    indices = model.base_model.model.wide.neuroada_indices["default"].clone()
+    assert indices.min() > torch.iinfo(torch.int16).max
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")["base_model.model.wide.neuroada_indices"]
+    assert saved.dtype == torch.int32 and torch.equal(saved, indices)
+    reloaded = PeftModel.from_pretrained(WideInput(), tmp_path)
+    assert torch.equal(reloaded.base_model.model.wide.neuroada_indices["default"], indices)
+    x = torch.randn(3, 40000)
+    with torch.no_grad():
+        assert torch.equal(reloaded(x), model(x))
 
 
 def test_installed_package_registers_itself_when_peft_is_imported(tmp_path):

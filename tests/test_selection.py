@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
 from peft_neuroada.selection import index_dtype, layer_generator, select_inputs, select_neurons
-from tests.conftest import tiny_llama
+from tests.conftest import real_minilm, tiny_llama
+from tests.test_peft_behaviour import hidden
 
 
 def indices_by_layer(model) -> dict[str, torch.Tensor]:
@@ -87,3 +90,52 @@ def test_neuron_fraction_tunes_only_that_share_of_each_layer(token_batch):
     assert delta_weight[untouched].abs().sum() == 0 and (delta_weight[rows] != 0).sum() == 48
     trainable, _ = model.get_nb_trainable_parameters()
     assert trainable == 2 * 2 * (16 + 8 + 8 + 16 + 24 + 24 + 16)
+
+
+def check_reverse(layer: NeuroAdaLayer, indices: torch.Tensor) -> None:
+    """Every selected |w| is at most every unselected |w| of the same row, so the choice differs from magnitude."""
+    magnitudes = layer.weight_out_in().abs()
+    largest_selected = magnitudes.gather(1, indices).amax(dim=1)
+    smallest_unselected = magnitudes.scatter(1, indices, float("inf")).amin(dim=1)
+    assert (largest_selected <= smallest_unselected).all()
+    assert not torch.equal(indices, select_inputs(layer.weight_out_in(), indices.shape[1]).long())
+
+
+def check_random(layer: NeuroAdaLayer, indices: torch.Tensor) -> None:
+    """k distinct inputs per row, not the magnitude choice."""
+    assert all(len(set(row.tolist())) == indices.shape[1] for row in indices)
+    assert not torch.equal(indices, select_inputs(layer.weight_out_in(), indices.shape[1]).long())
+
+
+def check_neuron_fraction(layer: NeuroAdaLayer, indices: torch.Tensor) -> None:
+    """A quarter of the rows are tuned, each on its magnitude choice."""
+    rows = layer.neuroada_rows["default"].long()
+    assert rows.numel() == round(0.25 * layer.out_features) == indices.shape[0]
+    assert torch.equal(indices, select_inputs(layer.weight_out_in()[rows], indices.shape[1]).long())
+
+
+@pytest.mark.parametrize(
+    ("settings", "check"),
+    [
+        ({"selection": "reverse"}, check_reverse),
+        ({"selection": "random"}, check_random),
+        ({"neuron_fraction": 0.25}, check_neuron_fraction),
+    ],
+    ids=["reverse", "random", "neuron_fraction"],
+)
+def test_selection_strategies_on_real_minilm_follow_their_rule_and_reproduce_on_reload(settings, check, tmp_path):
+    """On pretrained weights each strategy applies its own rule, and re-injection and reloading agree exactly."""
+    base = real_minilm()
+    config = {"k": 4, "selection_seed": 3, **settings}
+    model = get_peft_model(copy.deepcopy(base), NeuroAdaConfig(**config, init_weights=False))
+    selected = indices_by_layer(model)
+    for name, layer in model.named_modules():
+        if isinstance(layer, NeuroAdaLayer):
+            check(layer, selected[name].long())
+    reinjected = indices_by_layer(get_peft_model(copy.deepcopy(base), NeuroAdaConfig(**config)))
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    for name, indices in selected.items():
+        assert torch.equal(reinjected[name], indices) and torch.equal(indices_by_layer(reloaded)[name], indices), name
+    tokens = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hidden(reloaded, tokens), hidden(model, tokens))
