@@ -17,6 +17,9 @@ from .registration import PREFIX
 from .selection import index_dtype
 
 _INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
+# Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: their names are part of the
+# module names but not of the state-dict keys (the wrappers' state-dict hooks drop them).
+_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 class NeuroAdaModel(BaseTuner):
@@ -126,6 +129,7 @@ class NeuroAdaModel(BaseTuner):
     ) -> dict[str, torch.Tensor]:
         """The adapter's tensors, with index buffers shrunk to the smallest dtype that holds them (int16 mostly)."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
         return {
             key: _compact(value) if key.rsplit(".", 2)[-2] in _INDEX_BUFFERS else value
             for key, value in selected.items()
@@ -140,6 +144,29 @@ class NeuroAdaModel(BaseTuner):
             if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
                 _check_adapter_fits_layer(name, module, adapter_name, remapped)
         return remapped
+
+
+def _entries_of_wrapped_layers(
+    model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The adapter's entries for layers inside FSDP1 or activation-checkpointing wrappers.
+
+    peft maps tuner layers to state-dict keys by module name and drops FSDP1's wrapper name only where it leads the
+    name; auto-wrapping puts it in the middle (`layers.0._fsdp_wrapped_module.self_attn.q_proj`), and peft would
+    save an empty adapter.
+    """
+    entries = {}
+    for name, module in model.named_modules():
+        key_prefix = name
+        for wrapper in _WRAPPER_NAMES:
+            key_prefix = key_prefix.replace(wrapper, "")
+        if key_prefix == name or not isinstance(module, NeuroAdaLayer):
+            continue
+        for attribute in ("neuroada_delta", *_INDEX_BUFFERS):
+            key = f"{key_prefix}.{attribute}.{adapter_name}"
+            if key in state_dict:
+                entries[key] = state_dict[key]
+    return entries
 
 
 def _compact(indices: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from peft import PeftModel, get_peft_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -92,6 +93,32 @@ def train_wrapped(
     torch.save({"losses": losses, "adapter": adapter_tensors(state)}, out / f"rank{rank}.pt")
 
 
+def train_with_accelerate(rank: int, out: Path) -> None:
+    """docs/distributed.md's Accelerate recipe: NeuroAda first, then `accelerator.prepare(model, optimizer)`.
+
+    Under torchrun, `cpu=True` makes Accelerate join this launch's gloo group and wrap the model in DDP (its gradient
+    averaging is what lets the tests compare with one process on both batches). Rank 0 saves with the plain
+    `save_pretrained`, no state dict passed.
+    """
+    accelerator = Accelerator(cpu=True)
+    model = get_peft_model(tiny_llama(), neuroada_config())
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tokens = rank_batch(accelerator.process_index)
+    model.train()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(out / "adapter")
+    state = accelerator.get_state_dict(model)
+    torch.save({"losses": losses, "adapter": adapter_tensors(state)}, out / f"rank{rank}.pt")
+
+
 def outcome(action: Callable[[], object]) -> object:
     """The action's result, or its exception as 'Type: message' (the tests state which one they expect)."""
     try:
@@ -133,6 +160,7 @@ SCENARIOS: dict[str, Callable[[int, Path], None]] = {
     ),
     "fsdp2": lambda rank, out: train_wrapped(shard_layers_fsdp2, adapter_state_fsdp2, rank, out),
     "fsdp1": lambda rank, out: train_wrapped(wrap_fsdp1, full_state, rank, out),
+    "accelerate": train_with_accelerate,
     "shard-then-inject": shard_then_inject,
 }
 

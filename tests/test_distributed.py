@@ -1,4 +1,5 @@
-"""Data-parallel and sharded training with NeuroAda: two CPU processes over gloo, and DeepSpeed ZeRO-3's contract.
+"""Data-parallel and sharded training with NeuroAda: two CPU processes over gloo (raw DDP, FSDP2, FSDP1, and DDP
+through Accelerate), and DeepSpeed ZeRO-3's contract.
 
 Each scenario of tests/distributed_worker.py runs once per module (about 15 s for two processes on two cores;
 torchrun's --standalone rendezvous picks a free port) and the tests below read its per-rank results. The reference is
@@ -24,6 +25,8 @@ import transformers.integrations.deepspeed as hf_deepspeed
 from peft import get_peft_model
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
 from tests.conftest import tiny_llama, train_on_batch
@@ -70,7 +73,7 @@ def single_process_save(tmp_path_factory) -> dict[str, torch.Tensor]:
     return load_file(directory / ADAPTER_FILE)
 
 
-@pytest.fixture(scope="module", params=["ddp-no-buffer-broadcast", "fsdp2", "fsdp1"])
+@pytest.fixture(scope="module", params=["ddp-no-buffer-broadcast", "fsdp2", "fsdp1", "accelerate"])
 def parallel_run(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(request.param)
     return {"ranks": launch(request.param, out), "saved": load_file(out / "adapter" / ADAPTER_FILE)}
@@ -100,19 +103,27 @@ def test_training_equals_one_process_on_the_union_of_the_batches(parallel_run, s
             torch.testing.assert_close(rank["adapter"][name], expected, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_rank0_saves_the_same_adapter_files_as_a_single_process(parallel_run, single_process_save, request):
-    if request.node.callspec.params["parallel_run"] == "fsdp1":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="peft finds adapter keys from module names, and FSDP1's auto-wrapping puts "
-                "'_fsdp_wrapped_module.' inside them (peft strips it only as a leading prefix): save_pretrained "
-                "writes an empty adapter, for LoRA too",
-            )
-        )
+def test_rank0_saves_the_same_adapter_files_as_a_single_process(parallel_run, single_process_save):
+    """fsdp1 included: NeuroAda finds its layers under FSDP1's auto-wrapping, where peft alone saves nothing."""
     assert signature(parallel_run["saved"]) == signature(single_process_save)
+    for name in (name for name in single_process_save if "neuroada_indices" in name):
+        assert torch.equal(parallel_run["saved"][name], single_process_save[name]), name
     for name, tensor in parallel_run["saved"].items():
         assert torch.equal(tensor, parallel_run["ranks"][0]["adapter"][f"{name}.default"]), name
+
+
+def test_layers_inside_activation_checkpointing_wrappers_are_saved(tmp_path, single_process_save):
+    """The wrapper that FSDP1 auto-wrapping puts mid-name is dropped from state-dict keys, and so is the one of
+    activation checkpointing (Accelerate's and Trainer's `activation_checkpointing` for FSDP): the same mechanism,
+    checked here in one process."""
+    model = get_peft_model(tiny_llama(), neuroada_config())
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    assert any("._checkpoint_wrapped_module." in name for name, _ in model.named_modules())
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / ADAPTER_FILE)
+    assert signature(saved) == signature(single_process_save)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, single_process_save[name]), name
 
 
 def test_ddp_with_default_settings_trains(tmp_path, single_process):
