@@ -30,8 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from peft_neuroada import NeuroAdaConfig, native  # noqa: E402
-from peft_neuroada.functional import Placement, deltas_added  # noqa: E402
+from peft_neuroada import NeuroAdaConfig  # noqa: E402
 
 
 @dataclass
@@ -96,11 +95,6 @@ def grad_row_gather_bmm(layer: Layer) -> torch.Tensor:
     return torch.bmm(gathered, layer.grad_out.T.unsqueeze(2)).squeeze(2)
 
 
-def grad_native(layer: Layer) -> torch.Tensor:
-    """The package's C kernel: token blocks transposed in cache, four contiguous dot products at a time."""
-    return native.sampled_weight_grad(layer.x, layer.grad_out, layer.cols, None)
-
-
 def grad_vectorized_gather(layer: Layer) -> torch.Tensor:
     """All k columns at once: x[:, cols] is (T, d_out, k), times g, summed over tokens (T*d_out*k temporary)."""
     return (layer.x[:, layer.cols] * layer.grad_out.unsqueeze(2)).sum(0)
@@ -122,12 +116,6 @@ def fwd_inplace_merge(layer: Layer) -> torch.Tensor:
     out = F.linear(layer.x, weight)
     weight.scatter_(1, cols, originals)
     return out
-
-
-def fwd_inplace_native(layer: Layer) -> torch.Tensor:
-    """The same with the package's C kernels: one pass to add (saving the originals), one to restore."""
-    with deltas_added(layer.weight, [Placement(layer.cols)], [layer.delta]):
-        return F.linear(layer.x, layer.weight)
 
 
 def fwd_csr_mm(layer: Layer) -> torch.Tensor:
@@ -162,11 +150,6 @@ def bwd_input_inplace_merge(layer: Layer) -> torch.Tensor:
     out = layer.grad_out @ weight
     weight.scatter_(1, cols, originals)
     return out
-
-
-def bwd_input_inplace_native(layer: Layer) -> torch.Tensor:
-    with deltas_added(layer.weight, [Placement(layer.cols)], [layer.delta]):
-        return layer.grad_out @ layer.weight
 
 
 def bwd_input_reference(layer: Layer) -> torch.Tensor:
@@ -222,13 +205,6 @@ CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Laye
     ),
     "input grad": (bwd_input_reference, [bwd_input_base, bwd_input_inplace_merge]),
 }
-if native.library() is not None:  # the C kernels, where a compiler could build them
-    for group, candidate in [
-        ("forward", fwd_inplace_native),
-        ("delta grad", grad_native),
-        ("input grad", bwd_input_inplace_native),
-    ]:
-        CANDIDATES[group][1].append(candidate)
 
 
 def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:

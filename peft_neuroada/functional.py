@@ -9,8 +9,7 @@ Two autograd paths share the same primitives:
   (quantized, sharded, trainable, or traced by `torch.compile`).
 
 Both save only the layer input for backward; the delta gradient is the dense weight gradient sampled at the selected
-positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`. On CPU, float32
-entry updates and that sampled product run as fused C kernels (`native`); torch ops are the general fallback.
+positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from . import native
 
 # Above this k, a sampled sparse-dense matmul (one kernel) beats k gather passes for the delta gradient on CPU.
 _GATHER_LOOP_MAX_K = 4
@@ -64,9 +61,7 @@ def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def _write_entries(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    if native.usable(weight, values):
-        native.write_entries_(weight, placement.cols, placement.rows, values.view(placement.cols.shape))
-    elif _row_wise(weight, placement):
+    if _row_wise(weight, placement):
         cols = placement.cols.long()
         weight.scatter_(1, cols, values.view(cols.shape))
     else:
@@ -82,11 +77,8 @@ def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: S
     """
     originals = []
     for placement, delta in zip(placements, deltas, strict=True):
-        if native.usable(weight, delta):
-            original = native.add_deltas_(weight, placement.cols, placement.rows, delta).reshape(-1)
-        else:
-            original = placed_entries(weight, placement)
-            _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
+        original = placed_entries(weight, placement)
+        _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
         originals.append(original)
     return originals
 
@@ -115,8 +107,6 @@ def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor
 
 def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The dense weight gradient `grad2d.T @ x2d` sampled at the placement, in float32, without forming it."""
-    if native.usable(x2d, grad2d):
-        return native.sampled_weight_grad(x2d, grad2d, placement.cols, placement.rows)
     grad2d = _tuned_columns(grad2d, placement.rows)
     cols = placement.cols.long()
     n, k = cols.shape

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peft_neuroada import native
-
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "train_cost.py"
 VARIANTS = [
@@ -66,12 +64,6 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
         ("layer fwd+bwd", "neuroada k={k}"),
         ("layer fwd+bwd", "frozen nn.Linear"),
     }
-    if native.library() is not None:
-        expected_candidates |= {
-            ("delta grad", "native"),
-            ("forward", "inplace_native"),
-            ("input grad", "input_inplace_native"),
-        }
     for k in ("1", "5"):
         for op, candidate in expected_candidates:
             assert (op, candidate.format(k=k), k) in timed, (op, candidate, k)
