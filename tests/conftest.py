@@ -19,7 +19,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-import peft_neuroada  # noqa: F401  (registers the NEUROADA peft type)
+from peft_neuroada import NeuroAdaLayer  # importing the package registers the NEUROADA peft type
 from peft_neuroada.train.default_model import default_model_path, load_default_model
 
 
@@ -80,6 +80,26 @@ def real_minilm_classifier(head_seed: int = 0):
     """Real all-MiniLM-L6-v2 encoder with a fresh 2-way classification head drawn with `head_seed`."""
     torch.manual_seed(head_seed)
     return AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2).eval()
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Last hidden state (or logits): what every architecture's forward returns first."""
+    with torch.no_grad():
+        return model(tokens)[0]
+
+
+def indices_by_layer(model) -> dict[str, torch.Tensor]:
+    """Each NeuroAda layer's selected input indices of the default adapter, by module name."""
+    return {n: m.neuroada_indices["default"].clone() for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+
+
+# A tiny random model and a real pretrained one, for behaviour that must hold on both.
+TINY_AND_REAL = pytest.mark.parametrize("make_model", [tiny_llama, real_minilm], ids=["tiny-llama", "real-minilm"])
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, k_for_budget, select_by_gradient
 from peft_neuroada.budget import lora_parameter_count, neuroada_parameter_count, targeted_shapes
-from tests.conftest import tiny_llama
-from tests.test_peft_behaviour import logits
-from tests.test_selection import indices_by_layer
+from tests.conftest import indices_by_layer, logits, tiny_llama
 
 
 def test_k_for_a_lora_budget_matches_lora_trainable_parameters_on_smollm2(smollm2):

@@ -11,27 +11,25 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import real_minilm, real_minilm_classifier, tiny_bert, tiny_gpt2, tiny_llama
+from tests.conftest import (
+    TINY_AND_REAL,
+    hidden,
+    logits,
+    real_minilm,
+    real_minilm_classifier,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 SMOLLM2_TARGET_OUT_FEATURES = {"q_proj": 576, "k_proj": 192, "v_proj": 192, "o_proj": 576}
 SMOLLM2_TARGET_OUT_FEATURES |= {"gate_proj": 1536, "up_proj": 1536, "down_proj": 576}
 SMOLLM2_LAYERS = 30
 
 
-def logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens).logits
-
-
 def logits_of(model, batch: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**batch).logits
-
-
-def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Last hidden state (or logits): what every architecture's forward returns first."""
-    with torch.no_grad():
-        return model(tokens)[0]
 
 
 def neuroada_layers(model) -> list[NeuroAdaLayer]:
@@ -42,10 +40,6 @@ def base_weights(model) -> dict[str, torch.Tensor]:
     """Copies of every frozen weight wrapped by a NeuroAda layer, by module name."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
     return {n: layer.get_base_layer().weight.detach().clone() for n, layer in layers.items()}
-
-
-# A tiny random model and a real pretrained one, for behaviour that must hold on both.
-TINY_AND_REAL = pytest.mark.parametrize("make_model", [tiny_llama, real_minilm], ids=["tiny-llama", "real-minilm"])
 
 
 def test_k1_on_smollm2_trains_exactly_one_delta_per_neuron(smollm2, capsys):

@@ -12,12 +12,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import real_minilm, tiny_bert, tiny_llama
-
-
-def logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens).logits
+from tests.conftest import logits, real_minilm, tiny_bert, tiny_llama
 
 
 @pytest.fixture

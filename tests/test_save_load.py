@@ -26,15 +26,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import tiny_llama
-from tests.test_peft_behaviour import TINY_AND_REAL, hidden
+from tests.conftest import TINY_AND_REAL, hidden, logits, tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(tokens).logits
 
 
 @pytest.fixture

@@ -10,12 +10,7 @@ from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
 from peft_neuroada.selection import index_dtype, layer_generator, select_inputs, select_neurons
-from tests.conftest import real_minilm, tiny_llama
-from tests.test_peft_behaviour import hidden
-
-
-def indices_by_layer(model) -> dict[str, torch.Tensor]:
-    return {n: m.neuroada_indices["default"].clone() for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+from tests.conftest import hidden, indices_by_layer, real_minilm, tiny_llama
 
 
 def test_magnitude_selects_the_k_largest_magnitudes_of_each_row_in_ascending_column_order():
@@ -135,7 +130,8 @@ def test_selection_strategies_on_real_minilm_follow_their_rule_and_reproduce_on_
     reinjected = indices_by_layer(get_peft_model(copy.deepcopy(base), NeuroAdaConfig(**config)))
     model.save_pretrained(tmp_path)
     reloaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    reloaded_indices = indices_by_layer(reloaded)
     for name, indices in selected.items():
-        assert torch.equal(reinjected[name], indices) and torch.equal(indices_by_layer(reloaded)[name], indices), name
+        assert torch.equal(reinjected[name], indices) and torch.equal(reloaded_indices[name], indices), name
     tokens = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(hidden(reloaded, tokens), hidden(model, tokens))
