@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import gc
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -635,7 +636,8 @@ ISSUE_TARGETS = [
 
 
 def check_targets(results: list[Result], clock: str) -> list[dict[str, object]]:
-    """Each issue target with its measured ratio(s); targets whose variants were not run or failed are left out.
+    """Each issue target with its measured ratio(s); targets whose variants were not run or failed, or whose metric
+    was not measured (inference with `--infer-steps 0`), are left out.
 
     A target against the floor is judged on the paired in-process ratio when there is one (it is the robust one).
     """
@@ -644,6 +646,8 @@ def check_targets(results: list[Result], clock: str) -> list[dict[str, object]]:
     for target in ISSUE_TARGETS:
         if target.a in by_name and target.b in by_name:
             ratio, paired = target.ratio(by_name, clock), target.paired_ratio(by_name, clock)
+            if math.isnan(ratio):
+                continue
             judged = paired if paired == paired else ratio
             checks.append(
                 {

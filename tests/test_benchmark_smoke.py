@@ -50,6 +50,17 @@ def test_tiny_benchmark_reports_every_variant(tmp_path: Path) -> None:
     assert results["paper-scatter-k20"]["trainable_params"] == budget
 
 
+def test_targets_whose_metric_was_not_measured_are_left_out_not_failed(tmp_path: Path) -> None:
+    report = tmp_path / "no-inference.json"
+    command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1"]
+    command += ["--variants", "floor", "neuroada-k1", "--warmup", "0", "--steps", "1", "--infer-steps", "0"]
+    completed = subprocess.run(command + ["--json", str(report)], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    judged = [t["target"] for t in json.loads(report.read_text())["targets"]]
+    assert judged == ["neuroada k=1 step <= 1.05x floor", "neuroada k=1 peak growth <= 1.05x floor"]
+    assert "inference" not in completed.stdout.split("| target |")[1]
+
+
 def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
     """Each candidate is checked against a reference before it is timed, so a run that completes computed right."""
     command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "primitives.py"), "--tokens", "24", "--d-in", "16"]
