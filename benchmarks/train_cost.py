@@ -214,6 +214,14 @@ def neuroada(k: int) -> Callable[[PreTrainedModel], Setup]:
     return lambda model: peft_variant(model, NeuroAdaConfig(k=k, target_modules=TARGETS), f"neuroada k={k}")
 
 
+def neuroada_frozen(model: PreTrainedModel) -> Setup:
+    """NeuroAda k=20 with its deltas frozen: the in-place path's own cost (forward and input gradient through
+    W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
+    peft_model, _, _ = peft_variant(model, NeuroAdaConfig(k=BUDGET_K, target_modules=TARGETS), "")
+    peft_model.requires_grad_(False)
+    return frozen_floor(peft_model)[0], [], f"neuroada k={BUDGET_K}, deltas frozen"
+
+
 def lora(rank: int | None) -> Callable[[PreTrainedModel], Setup]:
     """LoRA at a fixed rank, or (rank None) at the rank matching NeuroAda k=20's parameter count."""
 
@@ -276,6 +284,7 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "floor": frozen_floor,
     "neuroada-k1": neuroada(1),
     "neuroada-k20": neuroada(BUDGET_K),
+    "neuroada-k20-frozen": neuroada_frozen,
     "lora-budget": lora(None),
     "lora-r8": lora(8),
     "shira-budget": shira,
