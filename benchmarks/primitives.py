@@ -13,6 +13,7 @@ the same parameter budget.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -209,12 +210,14 @@ CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Laye
 
 def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
     """Median wall and process-CPU seconds of each call, timed round-robin so that load from other jobs on the
-    machine hits every candidate alike (one warmup call each first)."""
+    machine hits every candidate alike (one warmup call each first). Each round runs the calls in a new (seeded)
+    order: in a fixed order, the call after a large matmul measured up to 3x slower on a 2-vCPU VM."""
     for fn in calls.values():
         fn()
     samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in calls}
+    order = random.Random(0)
     for _ in range(repeats):
-        for name, fn in calls.items():
+        for name, fn in order.sample(list(calls.items()), len(calls)):
             start_wall, start_cpu = time.perf_counter(), time.process_time()
             fn()
             samples[name][0].append(time.perf_counter() - start_wall)

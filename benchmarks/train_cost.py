@@ -371,12 +371,25 @@ def resolve_device(name: str) -> torch.device:
 
 
 @contextmanager
+def adapters_disabled(model: PeftModel) -> Iterator[None]:
+    """peft's `disable_adapter`, keeping which parameters train: leaving it makes the active adapters trainable again,
+    which would turn a frozen-adapter variant into a trained one after its first paired floor step."""
+    trainable = [p.requires_grad for p in model.parameters()]
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for param, flag in zip(model.parameters(), trainable, strict=True):
+            param.requires_grad_(flag)
+
+
+@contextmanager
 def as_floor(model: PeftModel) -> Iterator[None]:
     """Run a peft model as the floor: adapters disabled, input-embedding output requiring grad."""
     embeddings = model.get_input_embeddings()
     handle = embeddings.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
     try:
-        with model.disable_adapter():
+        with adapters_disabled(model):
             yield
     finally:
         handle.remove()
@@ -424,7 +437,7 @@ class Session:
             self.model(input_ids=self.input_ids)
 
     def floor_infer(self) -> None:
-        with self.model.disable_adapter():
+        with adapters_disabled(self.model):
             self.infer()
 
     def calls(self, name: str) -> dict[str, Callable[[], None]]:

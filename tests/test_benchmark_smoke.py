@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+from peft import get_peft_model
+
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import tiny_llama
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "train_cost.py"
@@ -80,3 +86,14 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
         for op, candidate in expected_candidates:
             assert (op, candidate.format(k=k), k) in timed, (op, candidate, k)
     assert all(float(row[-1]) > 0 for row in rows)
+
+
+def test_paired_floor_steps_leave_frozen_adapters_frozen() -> None:
+    """peft makes active adapters trainable again on leaving `disable_adapter`; the paired floor must not."""
+    spec = importlib.util.spec_from_file_location("train_cost", BENCHMARK)
+    train_cost = sys.modules["train_cost"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(train_cost)
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)).requires_grad_(False)
+    with train_cost.adapters_disabled(model):
+        pass
+    assert not any(p.requires_grad for p in model.parameters())
