@@ -218,7 +218,6 @@ def neuroada_frozen(model: PreTrainedModel) -> Setup:
     """NeuroAda k=20 with its deltas frozen: the in-place path's own cost (forward and input gradient through
     W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
     peft_model, _, _ = peft_variant(model, NeuroAdaConfig(k=BUDGET_K, target_modules=TARGETS), "")
-    peft_model.requires_grad_(False)
     return frozen_floor(peft_model)[0], [], f"neuroada k={BUDGET_K}, deltas frozen"
 
 
@@ -670,7 +669,7 @@ def check_targets(results: list[Result], clock: str) -> list[dict[str, object]]:
             ratio, paired = target.ratio(by_name, clock), target.paired_ratio(by_name, clock)
             if math.isnan(ratio):
                 continue
-            judged = paired if paired == paired else ratio
+            judged = ratio if math.isnan(paired) else paired
             checks.append(
                 {
                     "target": target.description,
@@ -688,7 +687,7 @@ def format_checks(checks: list[dict[str, object]]) -> str:
         [
             c["target"],
             f"{c['ratio']:.3f}",
-            f"{c['paired_ratio']:.3f}" if c["paired_ratio"] == c["paired_ratio"] else "-",
+            "-" if math.isnan(c["paired_ratio"]) else f"{c['paired_ratio']:.3f}",
             f"{c['limit']:.3f}",
             "yes" if c["holds"] else "NO",
         ]
