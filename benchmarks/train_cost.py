@@ -217,7 +217,7 @@ def neuroada(k: int) -> Callable[[PreTrainedModel], Setup]:
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
     """NeuroAda k=20 with its deltas frozen: the in-place path's own cost (forward and input gradient through
     W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
-    peft_model, _, _ = peft_variant(model, NeuroAdaConfig(k=BUDGET_K, target_modules=TARGETS), "")
+    peft_model, _, _ = neuroada(BUDGET_K)(model)
     return frozen_floor(peft_model)[0], [], f"neuroada k={BUDGET_K}, deltas frozen"
 
 
