@@ -93,6 +93,10 @@ def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)[0]
 
 
+def neuroada_layers(model) -> list[NeuroAdaLayer]:
+    return [m for m in model.modules() if isinstance(m, NeuroAdaLayer)]
+
+
 def indices_by_layer(model) -> dict[str, torch.Tensor]:
     """Each NeuroAda layer's selected input indices of the default adapter, by module name."""
     return {n: m.neuroada_indices["default"].clone() for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}

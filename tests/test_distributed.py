@@ -28,8 +28,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import tiny_llama, train_on_batch
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import neuroada_layers, tiny_llama, train_on_batch
 from tests.distributed_worker import LEARNING_RATE, STEPS, WORLD_SIZE, neuroada_config, rank_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +225,7 @@ def test_injected_before_zero3_partitioning_the_model_computes_the_same_outputs(
     partition_linear_weights_(model)
     with torch.no_grad():
         torch.testing.assert_close(model(token_batch).logits, reference(token_batch).logits)
-    layers = [m for m in model.modules() if isinstance(m, NeuroAdaLayer)]
+    layers = neuroada_layers(model)
     assert all(layer.get_base_layer().weight.numel() == 0 for layer in layers), "weights are partitioned again"
 
 

@@ -15,6 +15,7 @@ from tests.conftest import (
     TINY_AND_REAL,
     hidden,
     logits,
+    neuroada_layers,
     real_minilm,
     real_minilm_classifier,
     tiny_bert,
@@ -30,10 +31,6 @@ SMOLLM2_LAYERS = 30
 def logits_of(model, batch: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**batch).logits
-
-
-def neuroada_layers(model) -> list[NeuroAdaLayer]:
-    return [m for m in model.modules() if isinstance(m, NeuroAdaLayer)]
 
 
 def base_weights(model) -> dict[str, torch.Tensor]:

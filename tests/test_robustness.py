@@ -11,8 +11,8 @@ import torch
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import logits, real_minilm, tiny_bert, tiny_llama
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import logits, neuroada_layers, real_minilm, tiny_bert, tiny_llama
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, 
     save_file(tensors, weights)
     for low_cpu_mem_usage in (False, True):
         loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)
-        layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
+        layers = neuroada_layers(loaded)
         assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
         assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
 

@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from tests.conftest import TINY_AND_REAL, hidden, logits, tiny_llama
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import TINY_AND_REAL, hidden, logits, neuroada_layers, tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_indices_are_int32_in_memory_and_int16_on_disk(tmp_path):
     saved = load_file(tmp_path / "adapter_model.safetensors")
     assert {t.dtype for key, t in saved.items() if key.endswith("neuroada_indices")} == {torch.int16}
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
-    layers = [m for m in loaded.modules() if isinstance(m, NeuroAdaLayer)]
+    layers = neuroada_layers(loaded)
     assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
 
 
