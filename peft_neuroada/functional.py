@@ -38,82 +38,97 @@ class Placement(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-def _flat_positions(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 1-D view of the weight's storage and the placed entries' positions in it (works for transposed views)."""
+class _Entries(NamedTuple):
+    """One placement's entries in one weight, located once per use and then read or written in delta order (n, k)."""
+
+    target: torch.Tensor  # the (d_out, d_in) weight itself (row-wise) or a 1-D view of its storage
+    index: torch.Tensor  # int64 (n, k): columns along dim 1 (row-wise) or positions in the storage
+    row_wise: bool
+
+    def read(self) -> torch.Tensor:
+        return self.target.gather(1, self.index) if self.row_wise else self.target[self.index]
+
+    def write(self, values: torch.Tensor) -> None:
+        if self.row_wise:
+            self.target.scatter_(1, self.index, values)
+        else:
+            self.target.index_put_((self.index,), values)
+
+
+def _locate(weight: torch.Tensor, placement: Placement) -> _Entries:
+    """Row-wise gather/scatter is fastest for float32/64 with every neuron tuned; elsewhere CPU scatter kernels copy
+    a half-precision weight to float32 and back, so positions in the storage are used (this also covers transposed
+    views and a subset of neurons)."""
     cols = placement.cols.long()
+    if placement.rows is None and weight.dtype in (torch.float32, torch.float64):
+        return _Entries(weight, cols, row_wise=True)
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
     storage = weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
-    return storage, (rows[:, None] * weight.stride(0) + cols * weight.stride(1)).reshape(-1)
-
-
-def _row_wise(weight: torch.Tensor, placement: Placement) -> bool:
-    """Row-wise gather/scatter is fastest for float32/64 with every neuron tuned; elsewhere CPU scatter kernels copy
-    a half-precision weight to float32 and back, so flat `index_put_` is used."""
-    return placement.rows is None and weight.dtype in (torch.float32, torch.float64)
+    return _Entries(storage, rows[:, None] * weight.stride(0) + cols * weight.stride(1), row_wise=False)
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The entries of `weight` at the placement, flattened in delta order."""
-    if _row_wise(weight, placement):
-        return weight.gather(1, placement.cols.long()).reshape(-1)
-    storage, positions = _flat_positions(weight, placement)
-    return storage[positions]
+    """The entries of `weight` at the placement, shaped like the deltas."""
+    return _locate(weight, placement).read()
 
 
-def _write_entries(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    if _row_wise(weight, placement):
-        cols = placement.cols.long()
-        weight.scatter_(1, cols, values.view(cols.shape))
-    else:
-        storage, positions = _flat_positions(weight, placement)
-        storage.index_put_((positions,), values)
-
-
-def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
-    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals, in order.
+def _add_into(entries: Sequence[_Entries], deltas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Add each delta at its located entries; return the overwritten originals, in order.
 
     Positions are unique within one placement; placements of different adapters may overlap and are applied one
     after another, each reading the entries the previous one wrote.
     """
     originals = []
-    for placement, delta in zip(placements, deltas, strict=True):
-        original = placed_entries(weight, placement)
-        _write_entries(weight, placement, original + delta.detach().to(weight.dtype).reshape(-1))
+    for located, delta in zip(entries, deltas, strict=True):
+        original = located.read()
+        located.write(original + delta.detach().to(original.dtype))
         originals.append(original)
     return originals
 
 
+def _write_back(entries: Sequence[_Entries], originals: Sequence[torch.Tensor]) -> None:
+    """Undo `_add_into` exactly by writing the originals back in reverse order (positions may overlap)."""
+    for located, original in zip(reversed(entries), reversed(originals), strict=True):
+        located.write(original)
+
+
+def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
+    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals."""
+    return _add_into([_locate(weight, placement) for placement in placements], deltas)
+
+
 def restore_(weight: torch.Tensor, placements: Sequence[Placement], originals: Sequence[torch.Tensor]) -> None:
-    """Undo `add_deltas_` exactly by writing the originals back in reverse order (positions may overlap)."""
-    for placement, original in zip(reversed(placements), reversed(originals), strict=True):
-        _write_entries(weight, placement, original)
+    """Undo `add_deltas_` exactly."""
+    _write_back([_locate(weight, placement) for placement in placements], originals)
 
 
 @contextmanager
 def deltas_added(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> Iterator:
+    """The weight with the deltas added for the duration of the block, each placement located only once."""
     with torch.no_grad():
-        originals = add_deltas_(weight, placements, deltas)
+        entries = [_locate(weight, placement) for placement in placements]
+        originals = _add_into(entries, deltas)
     try:
         yield
     finally:
         with torch.no_grad():
-            restore_(weight, placements, originals)
+            _write_back(entries, originals)
 
 
 def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """The output columns of the tuned neurons (all of them when `rows` is None)."""
-    return t2d if rows is None else t2d.index_select(1, rows.long())
+    return t2d if rows is None else t2d.index_select(1, rows)
 
 
 def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The dense weight gradient `grad2d.T @ x2d` sampled at the placement, in float32, without forming it."""
     grad2d = _tuned_columns(grad2d, placement.rows)
-    cols = placement.cols.long()
+    cols = placement.cols  # int32 or int64: index_select and CSR indices take either, so no conversion per call
     n, k = cols.shape
     if k <= _GATHER_LOOP_MAX_K or x2d.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
         columns = [(x2d.index_select(1, cols[:, j]) * grad2d).sum(0, dtype=torch.float32) for j in range(k)]
         return torch.stack(columns, dim=1)
-    row_offsets = torch.arange(0, n * k + 1, k, device=cols.device)
+    row_offsets = torch.arange(0, n * k + 1, k, dtype=cols.dtype, device=cols.device)
     pattern = torch.sparse_csr_tensor(
         row_offsets,
         cols.reshape(-1),
