@@ -67,6 +67,10 @@ def _locate(weight: torch.Tensor, placement: Placement) -> _Entries:
     return _Entries(storage, rows[:, None] * weight.stride(0) + cols * weight.stride(1), row_wise=False)
 
 
+def _locate_all(weight: torch.Tensor, placements: Sequence[Placement]) -> list[_Entries]:
+    return [_locate(weight, placement) for placement in placements]
+
+
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The entries of `weight` at the placement, shaped like the deltas."""
     return _locate(weight, placement).read()
@@ -94,19 +98,19 @@ def _write_back(entries: Sequence[_Entries], originals: Sequence[torch.Tensor]) 
 
 def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
     """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals."""
-    return _add_into([_locate(weight, placement) for placement in placements], deltas)
+    return _add_into(_locate_all(weight, placements), deltas)
 
 
 def restore_(weight: torch.Tensor, placements: Sequence[Placement], originals: Sequence[torch.Tensor]) -> None:
     """Undo `add_deltas_` exactly."""
-    _write_back([_locate(weight, placement) for placement in placements], originals)
+    _write_back(_locate_all(weight, placements), originals)
 
 
 @contextmanager
 def deltas_added(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> Iterator:
     """The weight with the deltas added for the duration of the block, each placement located only once."""
     with torch.no_grad():
-        entries = [_locate(weight, placement) for placement in placements]
+        entries = _locate_all(weight, placements)
         originals = _add_into(entries, deltas)
     try:
         yield
