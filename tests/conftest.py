@@ -93,13 +93,18 @@ def hidden(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)[0]
 
 
+def named_neuroada_layers(model) -> dict[str, NeuroAdaLayer]:
+    """Every NeuroAda layer of the model, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+
+
 def neuroada_layers(model) -> list[NeuroAdaLayer]:
-    return [m for m in model.modules() if isinstance(m, NeuroAdaLayer)]
+    return list(named_neuroada_layers(model).values())
 
 
 def indices_by_layer(model) -> dict[str, torch.Tensor]:
     """Each NeuroAda layer's selected input indices of the default adapter, by module name."""
-    return {n: m.neuroada_indices["default"].clone() for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+    return {name: layer.neuroada_indices["default"].clone() for name, layer in named_neuroada_layers(model).items()}
 
 
 # A tiny random model and a real pretrained one, for behaviour that must hold on both.

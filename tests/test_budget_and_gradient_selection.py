@@ -6,9 +6,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, k_for_budget, select_by_gradient
+from peft_neuroada import NeuroAdaConfig, k_for_budget, select_by_gradient
 from peft_neuroada.budget import lora_parameter_count, neuroada_parameter_count, targeted_shapes
-from tests.conftest import indices_by_layer, logits, tiny_llama
+from tests.conftest import indices_by_layer, logits, named_neuroada_layers, tiny_llama
 
 
 def test_k_for_a_lora_budget_matches_lora_trainable_parameters_on_smollm2(smollm2):
@@ -60,12 +60,11 @@ def test_gradient_selection_picks_the_largest_accumulated_gradients(budget):
     select_by_gradient(model, batches, max_accumulated_elements=budget)
     reference = dense_gradients(batches)
     assert model.peft_config["default"].selection == "gradient"
-    for name, layer in model.named_modules():
-        if isinstance(layer, NeuroAdaLayer):
-            gradient = reference[name.removeprefix("base_model.model.")]
-            expected = gradient.abs().topk(3, dim=1).indices.sort(dim=1).values
-            assert torch.equal(layer.neuroada_indices["default"].long(), expected), name
-            assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
+    for name, layer in named_neuroada_layers(model).items():
+        gradient = reference[name.removeprefix("base_model.model.")]
+        expected = gradient.abs().topk(3, dim=1).indices.sort(dim=1).values
+        assert torch.equal(layer.neuroada_indices["default"].long(), expected), name
+        assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
 
 
 def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(smollm2, smollm2_tokenizer):

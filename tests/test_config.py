@@ -22,11 +22,11 @@ from transformers.pytorch_utils import Conv1D
 
 import peft_neuroada
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, NeuroAdaModel
-from tests.conftest import tiny_bert, tiny_gpt2, tiny_llama
+from tests.conftest import named_neuroada_layers, tiny_bert, tiny_gpt2, tiny_llama
 
 
 def adapted_names(model) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+    return {name.rsplit(".", 1)[-1] for name in named_neuroada_layers(model)}
 
 
 TINY_SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
@@ -108,7 +108,7 @@ def test_architecture_default_targets(make_model, expected):
     wanted = {n for n, m in base.named_modules() if isinstance(m, linear_types) and n.rsplit(".", 1)[-1] in expected}
     model = get_peft_model(base, NeuroAdaConfig())
     assert adapted_names(model) == expected
-    adapted = {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
+    adapted = {name.removeprefix("base_model.model.") for name in named_neuroada_layers(model)}
     assert adapted == wanted
 
 
@@ -129,7 +129,7 @@ def test_exclude_modules_and_layers_to_transform_narrow_the_targets():
     model = get_peft_model(
         tiny_llama(), NeuroAdaConfig(exclude_modules=["down_proj"], layers_to_transform=[1], layers_pattern="layers")
     )
-    adapted = [name for name, m in model.named_modules() if isinstance(m, NeuroAdaLayer)]
+    adapted = list(named_neuroada_layers(model))
     assert adapted and all(".layers.1." in name for name in adapted)
     assert not any(name.endswith("down_proj") for name in adapted)
 

@@ -10,11 +10,12 @@ from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
+from peft_neuroada import NeuroAdaConfig
 from tests.conftest import (
     TINY_AND_REAL,
     hidden,
     logits,
+    named_neuroada_layers,
     neuroada_layers,
     real_minilm,
     real_minilm_classifier,
@@ -35,8 +36,7 @@ def logits_of(model, batch: dict) -> torch.Tensor:
 
 def base_weights(model) -> dict[str, torch.Tensor]:
     """Copies of every frozen weight wrapped by a NeuroAda layer, by module name."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)}
-    return {n: layer.get_base_layer().weight.detach().clone() for n, layer in layers.items()}
+    return {n: layer.get_base_layer().weight.detach().clone() for n, layer in named_neuroada_layers(model).items()}
 
 
 def test_k1_on_smollm2_trains_exactly_one_delta_per_neuron(smollm2, capsys):
@@ -69,7 +69,7 @@ def test_inject_adapter_in_model_adapts_every_default_target_of_real_minilm(toke
     expected = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in defaults}
     before = hidden(model, token_batch)
     model = inject_adapter_in_model(NeuroAdaConfig(k=2), model)
-    assert {n for n, m in model.named_modules() if isinstance(m, NeuroAdaLayer)} == expected
+    assert set(named_neuroada_layers(model)) == expected
     assert torch.equal(hidden(model, token_batch), before)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"{n}.neuroada_delta.default" for n in expected}

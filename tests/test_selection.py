@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
 from peft_neuroada.selection import index_dtype, layer_generator, select_inputs, select_neurons
-from tests.conftest import hidden, indices_by_layer, real_minilm, tiny_llama
+from tests.conftest import hidden, indices_by_layer, named_neuroada_layers, real_minilm, tiny_llama
 
 
 def test_magnitude_selects_the_k_largest_magnitudes_of_each_row_in_ascending_column_order():
@@ -124,9 +124,8 @@ def test_selection_strategies_on_real_minilm_follow_their_rule_and_reproduce_on_
     config = {"k": 4, "selection_seed": 3, **settings}
     model = get_peft_model(copy.deepcopy(base), NeuroAdaConfig(**config, init_weights=False))
     selected = indices_by_layer(model)
-    for name, layer in model.named_modules():
-        if isinstance(layer, NeuroAdaLayer):
-            check(layer, selected[name].long())
+    for name, layer in named_neuroada_layers(model).items():
+        check(layer, selected[name].long())
     reinjected = indices_by_layer(get_peft_model(copy.deepcopy(base), NeuroAdaConfig(**config)))
     model.save_pretrained(tmp_path)
     reloaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
