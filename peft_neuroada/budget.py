@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import copy
-
-from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .config import LLAMA_STYLE_TARGETS, TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
+from .config import NeuroAdaConfig
+from .model import targeted_modules
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
     """(d_out, d_in) of every layer `config` would adapt in `model`, resolving defaults like `get_peft_model` does."""
-    config = copy.deepcopy(config)
-    if config.target_modules is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        config.target_modules = set(
-            TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS)
-        )
-    config = _maybe_include_all_linear_layers(config, model)
     shapes = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, Conv1D)) and check_target_module_exists(config, name):
+    for _, module in targeted_modules(model, config):
+        if isinstance(module, (nn.Linear, Conv1D)):
             d_out, d_in = module.weight.shape if isinstance(module, nn.Linear) else module.weight.shape[::-1]
             shapes.append((d_out, d_in))
     return shapes

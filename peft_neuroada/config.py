@@ -29,6 +29,10 @@ TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
 
 DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# peft's name for the method, and the prefix of every adapter attribute (and state-dict key) it owns.
+METHOD_NAME = "neuroada"
+PREFIX = "neuroada_"
+
 
 @dataclass
 class NeuroAdaConfig(PeftConfig):
@@ -65,9 +69,9 @@ class NeuroAdaConfig(PeftConfig):
             is False.
         inplace_forward: When True (default) the forward pass writes the deltas into the frozen weight for the
             duration of one matmul and restores the exact original values afterwards, so training costs no more than
-            a frozen model. It is used only for plain, unsharded, frozen dense weights outside `torch.compile`; other
-            cases use a separate sparse bypass automatically. Set False when the same layer may run in several
-            threads at once or its weight is shared with another module.
+            a frozen model. It is used only for plain, frozen, dense weights that the layer alone holds, outside
+            `torch.compile`, and each visit holds the weight's lock, so threads are safe; other cases use a separate
+            sparse bypass automatically. False always uses the bypass.
         modules_to_save: Extra modules (e.g. a classification head) trained fully and saved with the adapter.
     """
 
@@ -98,7 +102,7 @@ class NeuroAdaConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = PeftType["NEUROADA"]
+        self.peft_type = PeftType[METHOD_NAME.upper()]
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}); the paper uses 1 or 20.")
         if self.selection not in STRATEGIES:

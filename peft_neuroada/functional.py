@@ -1,33 +1,37 @@
-"""The sparse bypass `(P ⊙ Θ) x` and its gradients.
+"""The sparse bypass `(P ⊙ Θ) x`, its gradients, and `adapted_linear`: the one entry point that picks how to run it.
 
-Two autograd paths share the same primitives:
+Two paths compute `W x + b + (P ⊙ Θ) x`:
 
-* `InplaceMergedLinear` (fast path): adds the deltas into the k selected entries of each row of the frozen weight,
-  runs the ordinary dense matmul, and writes the saved original entries back bit-exactly. Forward and input gradient
-  therefore cost exactly one dense matmul each, like a frozen layer, and nothing of size d_out x d_in is allocated.
-* `SparseBypass` (general path): `base(x) + bypass(x)` computed with gathers, for weights that must not be touched
-  (quantized, sharded, trainable, or traced by `torch.compile`).
+* **in place** (fast): the deltas are added into the k selected entries of each row of the frozen weight for the
+  duration of one matmul, and the saved original entries are written back bit-exactly afterwards. Forward and input
+  gradient then cost exactly one dense matmul each, like a frozen layer, and nothing of size d_out x d_in is
+  allocated. It runs only when `inplace_refusal` finds no reason against it, and every visit holds the weight's lock
+  (`weight_lock`), so threads never see or write each other's patched entries.
+* **non-mutating**: `base(x) + bypass(x)` with gathers, for every weight the in-place path must not touch (quantized,
+  offloaded, shared, trainable, hooked, traced by `torch.compile`, ...).
 
-Both save only the layer input for backward; the delta gradient is the dense weight gradient sampled at the selected
-positions, computed without forming it: `grad[i, j] = sum_t grad_out[t, row_i] * x[t, cols[i, j]]`.
+Both keep only the layer input (or just the columns of it the deltas read) for backward; the delta gradient is the
+dense weight gradient sampled at the selected positions, `grad[i, j] = sum_t grad_out[t, rows[i]] * x[t, cols[i, j]]`,
+computed without forming it.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 # Above this k, a sampled sparse-dense matmul (one kernel) beats k gather passes for the delta gradient on CPU.
 _GATHER_LOOP_MAX_K = 4
 # Backward keeps only the input columns the deltas read when they are at most this share of the input.
 _COMPACT_INPUT_MAX_SHARE = 0.5
-# Inputs some layer already keeps whole for backward (q/k/v and gate/up share theirs): others just reference them.
-_INPUTS_KEPT_WHOLE: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class Placement(NamedTuple):
@@ -38,85 +42,148 @@ class Placement(NamedTuple):
     rows: torch.Tensor | None = None
 
 
+# --- Preconditions of the in-place path ---------------------------------------------------------------------------
+
+_PATCHABLE_MODULES = (nn.Linear, Conv1D)
+_PATCHABLE_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
+
+
+def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
+    """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None.
+
+    The weight must be a plain, frozen, dense floating-point tensor that this layer alone holds and that owns its
+    whole storage, computed by a plain `nn.Linear`/`Conv1D` whose forward nothing observes. Everything else takes the
+    non-mutating path: quantized and subclass tensors (torchao, DTensor), meta and offloaded weights, inference
+    tensors (read-only outside inference mode), views into a larger buffer (FSDP1 flat parameters), weights shared
+    with other modules (they could read the patched entries from another thread), trainable weights or biases, hooked
+    modules (the in-place path does not call `base.forward`), and graphs being traced by `torch.compile`.
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return "the graph is being traced"
+    if type(base) not in _PATCHABLE_MODULES:
+        return f"the base layer is a {type(base).__name__}"
+    if type(weight) not in _PATCHABLE_WEIGHT_TYPES or type(base.weight) not in _PATCHABLE_WEIGHT_TYPES:
+        return f"the weight is a {type(base.weight).__name__}"
+    if weight.layout != torch.strided or not weight.dtype.is_floating_point or weight.is_meta:
+        return "the weight is not a dense floating-point tensor in memory"
+    if weight.is_inference():
+        return "the weight is an inference tensor"
+    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "the base layer trains"
+    if shared_with:
+        return f"the weight is shared with {', '.join(shared_with)}"
+    if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
+        return "the base layer has forward hooks"
+    storage = weight.untyped_storage()
+    if weight.storage_offset() != 0 or storage.nbytes() != weight.numel() * weight.element_size():
+        return "the weight is a view into a larger buffer"
+    return None
+
+
+# One lock per patchable base layer (its weight belongs to it alone): held across patch, matmul and restore, and by
+# every other read of that weight through the adapter layer, in forward and in backward. Keyed weakly by the module,
+# so copies of a model get their own locks and nothing is kept alive or pickled.
+_WEIGHT_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_WEIGHT_LOCKS_GUARD = threading.Lock()
+
+
+def weight_lock(base: nn.Module) -> threading.RLock:
+    """The lock that serialises every visit of the adapter layers to `base`'s weight."""
+    lock = _WEIGHT_LOCKS.get(base)
+    if lock is None:
+        with _WEIGHT_LOCKS_GUARD:
+            lock = _WEIGHT_LOCKS.setdefault(base, threading.RLock())
+    return lock
+
+
+# --- Reading and writing the selected entries of a weight ---------------------------------------------------------
+
+
 class _Entries(NamedTuple):
-    """One placement's entries in one weight, located once per use and then read or written in delta order (n, k)."""
+    """Selected entries of one weight, located once per visit and read or written in delta order (n, k)."""
 
     target: torch.Tensor  # the (d_out, d_in) weight itself (row-wise) or a 1-D view of its storage
-    index: torch.Tensor  # int64 (n, k): columns along dim 1 (row-wise) or positions in the storage
+    index: torch.Tensor  # int64: (n, k) columns along dim 1 (row-wise), or positions in the storage (any shape)
     row_wise: bool
 
     def read(self) -> torch.Tensor:
         return self.target.gather(1, self.index) if self.row_wise else self.target[self.index]
 
     def write(self, values: torch.Tensor) -> None:
+        self.writer(values)()
+
+    def writer(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The write as one call into torch, with nothing in Python between a `finally:` and the write itself."""
         if self.row_wise:
-            self.target.scatter_(1, self.index, values)
-        else:
-            self.target.index_put_((self.index,), values)
+            return functools.partial(self.target.scatter_, 1, self.index, values)
+        return functools.partial(self.target.index_put_, (self.index,), values)
 
 
-def _locate(weight: torch.Tensor, placement: Placement) -> _Entries:
+def _row_wise(weight: torch.Tensor, placements: Sequence[Placement]) -> bool:
     """Row-wise gather/scatter is fastest for float32/64 with every neuron tuned; elsewhere CPU scatter kernels copy
     a half-precision weight to float32 and back, so positions in the storage are used (this also covers transposed
-    views and a subset of neurons)."""
+    views and subsets of neurons)."""
+    return weight.dtype in (torch.float32, torch.float64) and all(p.rows is None for p in placements)
+
+
+def _locate(weight: torch.Tensor, placement: Placement, row_wise: bool) -> _Entries:
     cols = placement.cols.long()
-    if placement.rows is None and weight.dtype in (torch.float32, torch.float64):
+    if row_wise:
         return _Entries(weight, cols, row_wise=True)
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
     storage = weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
     return _Entries(storage, rows[:, None] * weight.stride(0) + cols * weight.stride(1), row_wise=False)
 
 
-def _locate_all(weight: torch.Tensor, placements: Sequence[Placement]) -> list[_Entries]:
-    return [_locate(weight, placement) for placement in placements]
+def _joined(entries: Sequence[_Entries]) -> _Entries:
+    """All entries of several placements as one (positions may repeat across adapters)."""
+    first = entries[0]
+    if first.row_wise:
+        return _Entries(first.target, torch.cat([e.index for e in entries], dim=1), row_wise=True)
+    return _Entries(first.target, torch.cat([e.index.reshape(-1) for e in entries]), row_wise=False)
+
+
+def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor], compute):
+    """`compute()` while `weight` holds the deltas at their placements; afterwards every entry is bit-identical.
+
+    The original values of every touched entry are read before anything is written, and the `finally` writes them all
+    back in a single torch call (retried once if that call itself is interrupted), so an exception anywhere (including
+    KeyboardInterrupt, or a failing second adapter) restores the weight. Placements of different adapters may overlap:
+    each one adds to what the previous wrote.
+    """
+    row_wise = _row_wise(weight, placements)
+    entries = [_locate(weight, placement, row_wise) for placement in placements]
+    everything = entries[0] if len(entries) == 1 else _joined(entries)
+    with torch.no_grad():
+        originals = everything.read()
+    restore = everything.writer(originals)
+    try:
+        with torch.no_grad():
+            if len(entries) == 1:
+                entries[0].write(originals + deltas[0].detach().to(originals.dtype))
+            else:
+                for located, delta in zip(entries, deltas, strict=True):
+                    located.write(located.read() + delta.detach().to(originals.dtype))
+        return compute()
+    finally:
+        try:
+            restore()
+        except BaseException:
+            restore()
+            raise
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The entries of `weight` at the placement, shaped like the deltas."""
-    return _locate(weight, placement).read()
+    """The entries of `weight` (a (d_out, d_in) view) at the placement, shaped like the deltas."""
+    return _locate(weight, placement, _row_wise(weight, [placement])).read()
 
 
-def _add_into(entries: Sequence[_Entries], deltas: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Add each delta at its located entries; return the overwritten originals, in order.
-
-    Positions are unique within one placement; placements of different adapters may overlap and are applied one
-    after another, each reading the entries the previous one wrote.
-    """
-    originals = []
-    for located, delta in zip(entries, deltas, strict=True):
-        original = located.read()
-        located.write(original + delta.detach().to(original.dtype))
-        originals.append(original)
-    return originals
+def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
+    """Write `values` (shaped like the deltas) into the entries of `weight` at the placement."""
+    _locate(weight, placement, _row_wise(weight, [placement])).write(values)
 
 
-def _write_back(entries: Sequence[_Entries], originals: Sequence[torch.Tensor]) -> None:
-    """Undo `_add_into` exactly by writing the originals back in reverse order (positions may overlap)."""
-    for located, original in zip(reversed(entries), reversed(originals), strict=True):
-        located.write(original)
-
-
-def add_deltas_(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> list:
-    """Add each delta into `weight` (d_out, d_in view) at its placement; return the overwritten originals."""
-    return _add_into(_locate_all(weight, placements), deltas)
-
-
-def restore_(weight: torch.Tensor, placements: Sequence[Placement], originals: Sequence[torch.Tensor]) -> None:
-    """Undo `add_deltas_` exactly."""
-    _write_back(_locate_all(weight, placements), originals)
-
-
-@contextmanager
-def deltas_added(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> Iterator:
-    """The weight with the deltas added for the duration of the block, each placement located only once."""
-    with torch.no_grad():
-        entries = _locate_all(weight, placements)
-        originals = _add_into(entries, deltas)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            _write_back(entries, originals)
+# --- The delta gradient -------------------------------------------------------------------------------------------
 
 
 def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -148,6 +215,27 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+class InputsKeptWhole:
+    """Layer inputs that some NeuroAda layer's backward already keeps whole.
+
+    q/k/v (and gate/up) read the same input. Once one of them keeps it whole, saving a reference in the others is free,
+    while a compacted copy of its columns would cost memory; so they reference it too. Entries are weak (keyed by
+    `id`, checked by identity, dropped when the tensor dies), so nothing is kept alive and a reused id never matches.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def holds(self, x: torch.Tensor) -> bool:
+        return self._tensors.get(id(x)) is x
+
+    def add(self, x: torch.Tensor) -> None:
+        self._tensors[id(x)] = x
+
+
+INPUTS_KEPT_WHOLE = InputsKeptWhole()
+
+
 def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:
     """What backward needs of the layer input: the input itself, or only the columns the deltas read.
 
@@ -156,32 +244,36 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
     """
     d_in = x.shape[-1]
     selected = sum(p.cols.numel() for p in placements)
-    if _INPUTS_KEPT_WHOLE.get(id(x)) is not x and selected <= 2 * d_in:
+    if not INPUTS_KEPT_WHOLE.holds(x) and selected <= 2 * d_in:
         used, local = torch.unique(torch.cat([p.cols.reshape(-1) for p in placements]).long(), return_inverse=True)
         if used.numel() <= _COMPACT_INPUT_MAX_SHARE * d_in:
             local_cols = local.split([p.cols.numel() for p in placements])
             compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
             return _flatten(x).index_select(1, used), compact
-    _INPUTS_KEPT_WHOLE[id(x)] = x
+    INPUTS_KEPT_WHOLE.add(x)
     return x, list(placements)
 
 
-def merged_linear(x, weight, bias, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
+# --- Autograd functions -------------------------------------------------------------------------------------------
+
+
+def merged_linear(x, weight, bias, lock, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage, with no autograd bookkeeping."""
-    with deltas_added(weight, placements, deltas):
-        return F.linear(x, weight, bias)
+    with lock:
+        return _with_deltas_added(weight, placements, deltas, lambda: F.linear(x, weight, bias))
 
 
 class InplaceMergedLinear(torch.autograd.Function):
     """`merged_linear` with the deltas' gradient (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, placements, *deltas):
-        out = merged_linear(x, weight, bias, placements, *deltas)
-        needs_delta_grads = any(ctx.needs_input_grad[4:])
+    def forward(ctx, x, weight, bias, lock, placements, *deltas):
+        out = merged_linear(x, weight, bias, lock, placements, *deltas)
+        needs_delta_grads = any(ctx.needs_input_grad[5:])
         x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
         ctx.save_for_backward(x_saved, *deltas)
-        ctx.weight, ctx.placements, ctx.input_dtype = weight, placements, x.dtype
+        # The weight is not saved as a tensor: its version changes with every visit, and backward patches it again.
+        ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
         return out
 
     @staticmethod
@@ -189,14 +281,38 @@ class InplaceMergedLinear(torch.autograd.Function):
         x_saved, *deltas = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            with deltas_added(ctx.weight, ctx.placements, deltas):
-                grad_x = (grad_out @ ctx.weight.to(grad_out.dtype)).to(ctx.input_dtype)
+            with ctx.lock:
+                input_grad = functools.partial(_times_weight, grad_out, ctx.weight)
+                grad_x = _with_deltas_added(ctx.weight, ctx.placements, deltas, input_grad)
+            grad_x = grad_x.to(ctx.input_dtype)
         grad2d = _flatten(grad_out)
         grad_deltas = [
             sampled_weight_grad(_flatten(x_saved), grad2d, placement).to(delta.dtype) if needs else None
-            for placement, delta, needs in zip(ctx.saved_placements, deltas, ctx.needs_input_grad[4:], strict=True)
+            for placement, delta, needs in zip(ctx.saved_placements, deltas, ctx.needs_input_grad[5:], strict=True)
         ]
-        return grad_x, None, None, None, *grad_deltas
+        return grad_x, None, None, None, None, *grad_deltas
+
+
+def _times_weight(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad_out @ weight.to(grad_out.dtype)
+
+
+class GuardedLinear(torch.autograd.Function):
+    """`F.linear(x, W, b)` of a frozen weight that in-place visits of other threads may patch: forward and the input
+    gradient read the weight under its lock (and without autograd's version check, which those visits would trip)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lock):
+        with lock:
+            out = F.linear(x, weight, bias)
+        ctx.weight, ctx.lock, ctx.input_dtype = weight, lock, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with ctx.lock:
+            grad_x = _times_weight(grad_out, ctx.weight)
+        return grad_x.to(ctx.input_dtype), None, None, None
 
 
 @torch.library.custom_op("neuroada::scatter_to_columns", mutates_args=())
@@ -246,3 +362,60 @@ class SparseBypass(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_delta = sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype)
         return grad_x, None, None, grad_delta
+
+
+# --- The entry point ----------------------------------------------------------------------------------------------
+
+
+class FrozenLinear(NamedTuple):
+    """The frozen layer an adapter sits on, as `adapted_linear` needs it."""
+
+    module: nn.Module  # nn.Linear, Conv1D, or any module computing a linear map (quantized, hooked, ...)
+    weight: torch.Tensor  # its weight as a (d_out, d_in) view
+    shared_with: tuple[str, ...] = ()  # other modules holding the same weight
+
+    def refusal(self, *args, **kwargs) -> str | None:
+        """Why the in-place path must not run for a call with these extra base-layer arguments, or None."""
+        if args or kwargs:
+            return "the base layer gets extra arguments"
+        return weight_refusal(self.module, self.weight, self.shared_with)
+
+
+def frozen_output(frozen: FrozenLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The base layer's own output; read under the weight's lock when in-place visits may patch that weight."""
+    return _frozen_output(frozen, frozen.refusal(*args, **kwargs), x, *args, **kwargs)
+
+
+def _frozen_output(frozen: FrozenLinear, refusal: str | None, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if refusal is not None:
+        return frozen.module(x, *args, **kwargs)
+    lock = weight_lock(frozen.module)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return GuardedLinear.apply(x, frozen.weight, frozen.module.bias, lock)
+    with lock:
+        return F.linear(x, frozen.weight, frozen.module.bias)
+
+
+def adapted_linear(
+    frozen: FrozenLinear,
+    x: torch.Tensor,
+    placements: Sequence[Placement],
+    deltas: Sequence[torch.Tensor],
+    out_features: int,
+    inplace: bool,
+    *args,
+    **kwargs,
+) -> torch.Tensor:
+    """`W x + b + Σ (P ⊙ Θ) x` over the given adapters: in place when `inplace` is wanted and nothing refuses it
+    (`FrozenLinear.refusal`), else the non-mutating `base(x) + bypass(x)`. Extra arguments go to the base layer."""
+    refusal = frozen.refusal(*args, **kwargs)
+    if inplace and refusal is None:
+        lock = weight_lock(frozen.module)
+        if torch.is_grad_enabled():
+            return InplaceMergedLinear.apply(x, frozen.weight, frozen.module.bias, lock, tuple(placements), *deltas)
+        # Under no_grad (inference, generation) autograd.Function still reports the deltas as needing gradients.
+        return merged_linear(x, frozen.weight, frozen.module.bias, lock, placements, *deltas)
+    result = _frozen_output(frozen, refusal, x, *args, **kwargs)
+    for placement, delta in zip(placements, deltas, strict=True):
+        result = result + SparseBypass.apply(x, placement, out_features, delta).to(result.dtype)
+    return result

@@ -3,29 +3,63 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
 import torch
+from accelerate.hooks import AlignDevicesHook
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from .config import DELTA_DTYPES
+from .config import DELTA_DTYPES, NeuroAdaConfig
 from .functional import (
-    InplaceMergedLinear,
+    FrozenLinear,
     Placement,
-    SparseBypass,
-    add_deltas_,
-    merged_linear,
+    adapted_linear,
+    frozen_output,
     placed_entries,
-    restore_,
+    weight_lock,
+    write_placed_,
 )
 from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
+BASE_ADAPTER_NAME = "__base__"
+LOAD_WEIGHTS_HINT = (
+    "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
+    "CPU/disk offloading (for a model too large for your GPU, load it quantized instead)."
+)
+
+
+class MixedBatch(NamedTuple):
+    """peft's `adapter_names` of the current forward/generate call: the adapter of each row (`"__base__"`: none).
+
+    Set by `NeuroAdaModel` in a context variable, so it reaches exactly the layers this thread (or task) runs, and no
+    other thread's call. Encoder layers of an encoder-decoder model under beam search see the unrepeated names.
+    """
+
+    names: list[str]
+    encoder_names: list[str] | None = None
+    encoder_layers: frozenset[int] = frozenset()
+
+    def for_layer(self, layer: nn.Module) -> list[str]:
+        return self.encoder_names if id(layer) in self.encoder_layers else self.names
+
+
+MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
+
+
+def unreadable_weight(base: nn.Module) -> str | None:
+    """Why the values of `base`'s weight cannot be read to select inputs (None: they can)."""
+    hook = getattr(base, "_hf_hook", None)
+    if isinstance(hook, AlignDevicesHook) and hook.offload:
+        return "it is offloaded by accelerate"
+    if base.weight.is_meta:
+        return "it is on the meta device (not loaded)"
+    return None
 
 
 class NeuroAdaLayer(BaseTunerLayer):
@@ -44,8 +78,11 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.neuroada_rows = BufferDict({}, persistent=True)
         self.inplace_forward: dict[str, bool] = {}
         self.init_weights: dict[str, bool] = {}
-        # Original weight entries overwritten by each merged adapter: unmerge writes them back bit-exactly.
-        self._merge_originals: dict[str, torch.Tensor] = {}
+        # Per merged adapter, where it was merged and the weight entries it overwrote: unmerge writes them back.
+        self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
+        # Other modules holding this layer's base weight (kept up to date by NeuroAdaModel). The in-place path never
+        # writes a shared weight, and merging into one is refused: it would change those modules too.
+        self.weight_shared_with: tuple[str, ...] = ()
         self._disable_adapters = False
         self.merged_adapters = []
         self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
@@ -55,20 +92,15 @@ class NeuroAdaLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         return weight.T if self.fan_in_fan_out else weight
 
-    def update_layer(
-        self,
-        adapter_name: str,
-        k: int,
-        init_weights: bool = True,
-        delta_dtype: str | None = None,
-        inplace_forward: bool = True,
-        selection: str = "magnitude",
-        neuron_fraction: float = 1.0,
-        seed: int = 0,
-        layer_name: str = "",
-        inference_mode: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def frozen(self) -> FrozenLinear:
+        return FrozenLinear(self.get_base_layer(), self.weight_out_in(), self.weight_shared_with)
+
+    def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
+        """Add adapter `adapter_name`: select each neuron's inputs on the frozen weight and create its deltas.
+
+        `layer_name` (the module's name in the model) seeds random choices, so every process picks the same ones.
+        """
+        k = config.k
         if k > self.in_features:
             warnings.warn(
                 f"NeuroAda k={k} exceeds the {self.in_features} inputs of a {type(self.get_base_layer()).__name__} "
@@ -76,9 +108,11 @@ class NeuroAdaLayer(BaseTunerLayer):
                 stacklevel=2,
             )
             k = self.in_features
-        generator = layer_generator(seed, layer_name)
-        rows = select_neurons(self.out_features, neuron_fraction, generator)
-        strategy = "magnitude" if selection == "gradient" else selection
+        generator = layer_generator(config.selection_seed, layer_name)
+        rows = select_neurons(self.out_features, config.neuron_fraction, generator)
+        strategy = "magnitude" if config.selection == "gradient" else config.selection
+        if reason := unreadable_weight(self.get_base_layer()):
+            raise ValueError(f"NeuroAda cannot select inputs for layer '{layer_name}': {reason}. {LOAD_WEIGHTS_HINT}")
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
         with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
             weight = self.weight_out_in()
@@ -87,18 +121,18 @@ class NeuroAdaLayer(BaseTunerLayer):
             weight_dtype = weight.dtype
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
-        if delta_dtype is not None:
-            dtype = DELTA_DTYPES[delta_dtype]
+        if config.delta_dtype is not None:
+            dtype = DELTA_DTYPES[config.delta_dtype]
         else:
             dtype = weight_dtype if weight_dtype.is_floating_point else torch.float32
         neurons = self.out_features if rows is None else rows.numel()
-        self.init_weights[adapter_name] = init_weights
+        self.init_weights[adapter_name] = config.init_weights
         self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
-        self.inplace_forward[adapter_name] = inplace_forward
+        self.inplace_forward[adapter_name] = config.inplace_forward
         self._move_adapter_to_device_of_base_layer(adapter_name)
-        if delta_dtype is not None:
+        if config.delta_dtype is not None:
             self.neuroada_delta[adapter_name] = nn.Parameter(self.neuroada_delta[adapter_name].to(dtype))
-        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+        self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
     def _initial_delta(self, adapter_name: str, neurons: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         delta = torch.zeros(neurons, k, dtype=dtype, device=self.get_base_layer().weight.device)
@@ -110,6 +144,8 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
         """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""
+        if adapter_name in self.merged_adapters:
+            raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
         delta = self.neuroada_delta[adapter_name]
         self.neuroada_indices[adapter_name] = cols.to(self.neuroada_indices[adapter_name].dtype)
         with torch.no_grad():
@@ -119,68 +155,112 @@ class NeuroAdaLayer(BaseTunerLayer):
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
         delta = self.neuroada_delta[adapter_name].detach()
         dense = torch.zeros(self.out_features, self.in_features, dtype=delta.dtype, device=delta.device)
-        add_deltas_(dense, [self.placement(adapter_name)], [delta])
+        write_placed_(dense, self.placement(adapter_name), delta)
         return dense.T if self.fan_in_fan_out else dense
+
+    def _weight_writes(self, weight: torch.Tensor):
+        """Writes into the weight: inference tensors accept them only inside inference mode."""
+        return torch.inference_mode() if weight.is_inference() else torch.no_grad()
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Add the deltas into the base weight, keeping the overwritten entries for an exact unmerge.
 
-        With `safe_merge=True` a merge that would put NaN or inf into the weight is undone exactly and refused.
+        All or nothing: if any adapter fails (with `safe_merge=True`, one whose merge would put NaN or inf into the
+        weight), the adapters merged by this call are unmerged again before the error propagates.
         """
+        names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]
+        if not names:
+            return
+        self.check_mergeable()
         weight = self.weight_out_in()
-        for name in check_adapters_to_merge(self, adapter_names):
-            if name not in self.neuroada_delta:
-                continue
-            placement = self.placement(name)
-            with torch.no_grad():
-                (originals,) = add_deltas_(weight, [placement], [self.neuroada_delta[name]])
-                if safe_merge and not torch.isfinite(placed_entries(weight, placement)).all():
-                    restore_(weight, [placement], [originals])
-                    raise ValueError(
-                        f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
-                        "so its deltas are broken (check the training loss and learning rate)."
-                    )
-            self._merge_originals[name] = originals
-            self.merged_adapters.append(name)
+        if weight.is_meta:
+            raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
+        merged_before = len(self.merged_adapters)
+        try:
+            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+                for name in names:
+                    placement = self.placement(name)
+                    originals = placed_entries(weight, placement)
+                    merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
+                    if safe_merge and not torch.isfinite(merged).all():
+                        raise ValueError(
+                            f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
+                            "so its deltas are broken (check the training loss and learning rate)."
+                        )
+                    self._merge_originals[name] = (placement, originals)
+                    self.merged_adapters.append(name)
+                    write_placed_(weight, placement, merged)
+        except BaseException:
+            self.unmerge_to(merged_before)
+            raise
+
+    def check_mergeable(self, name: str = "this layer") -> None:
+        """Raise before anything changes if the deltas cannot be merged into this layer's base weight (shared)."""
+        if self.weight_shared_with:
+            raise ValueError(
+                f"Cannot merge NeuroAda deltas into the weight of '{name}': it is shared with "
+                f"{', '.join(self.weight_shared_with)}, and merging would change those modules too. Give the layer "
+                "its own copy of the weight first, e.g. "
+                "`layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone())`, or keep "
+                "the adapter unmerged."
+            )
 
     def unmerge(self) -> None:
         """Restore the exact original weight entries, most recently merged adapter first."""
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
             return
-        weight = self.weight_out_in()
-        with torch.no_grad():
-            while self.merged_adapters:
-                name = self.merged_adapters.pop()
-                restore_(weight, [self.placement(name)], [self._merge_originals.pop(name)])
+        self.unmerge_to(0)
 
-    def _inplace_forward_is_safe(self, adapter_names: list[str]) -> bool:
-        """Whether the weight can be modified for the duration of one matmul (see `NeuroAdaConfig.inplace_forward`)."""
-        base = self.get_base_layer()
-        weight = base.weight
-        return (
-            all(self.inplace_forward[name] for name in adapter_names)
-            and (type(base) is nn.Linear or type(base) is Conv1D)
-            and type(weight) in (nn.Parameter, torch.Tensor)
-            and weight.dtype.is_floating_point
-            and not weight.is_meta
-            and not weight.requires_grad
-            and (base.bias is None or not base.bias.requires_grad)
-            and not (base._forward_hooks or base._forward_pre_hooks)
-            and not torch.compiler.is_compiling()
-        )
+    def unmerge_to(self, count: int) -> None:
+        """Unmerge the most recently merged adapters until `count` remain merged.
+
+        All or nothing: if a write fails, the adapters this call already unmerged are written back as they were.
+        """
+        weight = self.weight_out_in()
+        undone = []
+        try:
+            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+                while len(self.merged_adapters) > count:
+                    name = self.merged_adapters[-1]
+                    placement, originals = self._merge_originals[name]
+                    undone.append((name, placement, originals, placed_entries(weight, placement)))
+                    write_placed_(weight, placement, originals)
+                    del self._merge_originals[name]
+                    self.merged_adapters.pop()
+        except BaseException:
+            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+                for name, placement, originals, merged in reversed(undone):
+                    write_placed_(weight, placement, merged)
+                    self._merge_originals[name] = (placement, originals)
+                    if name not in self.merged_adapters:
+                        self.merged_adapters.append(name)
+            raise
 
 
 class Linear(nn.Module, NeuroAdaLayer):
     """NeuroAda around `nn.Linear` (weight d_out x d_in) or transformers' `Conv1D` (weight d_in x d_out)."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: NeuroAdaConfig,
+        fan_in_fan_out: bool = False,
+        layer_name: str = "",
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
         NeuroAdaLayer.__init__(self, base_layer, fan_in_fan_out=fan_in_fan_out)
         self._active_adapter = adapter_name
-        self.update_layer(adapter_name, **kwargs)
+        self.update_layer(adapter_name, config, layer_name=layer_name)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any):
+        # Mixed batches are eager-only: dynamo cannot trace a context variable.
+        if adapter_names is None and not torch.compiler.is_compiling() and (mixed := MIXED_BATCH.get()) is not None:
+            adapter_names = mixed.for_layer(self)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -188,15 +268,39 @@ class Linear(nn.Module, NeuroAdaLayer):
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
             return self.base_layer(x, *args, **kwargs)
-        placements = tuple(self.placement(name) for name in active)
-        deltas = [self.neuroada_delta[name] for name in active]
-        if self._inplace_forward_is_safe(active):
-            # Under no_grad (inference, generation) autograd.Function still reports the deltas as needing gradients.
-            merged = InplaceMergedLinear.apply if torch.is_grad_enabled() else merged_linear
-            return merged(x, self.weight_out_in(), self.get_base_layer().bias, placements, *deltas)
-        result = self.base_layer(x, *args, **kwargs)
-        for placement, delta in zip(placements, deltas, strict=True):
-            result = result + SparseBypass.apply(x, placement, self.out_features, delta).to(result.dtype)
+        return self._adapted(x, active, *args, **kwargs)
+
+    def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
+        placements = [self.placement(name) for name in adapters]
+        deltas = [self.neuroada_delta[name] for name in adapters]
+        inplace = all(self.inplace_forward[name] for name in adapters)
+        return adapted_linear(self.frozen(), x, placements, deltas, self.out_features, inplace, *args, **kwargs)
+
+    def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list[str], *args: Any, **kwargs: Any):
+        """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                "Length of `adapter_names` should be the same as the number of inputs, but got "
+                f"{len(adapter_names)} and {len(x)} respectively."
+            )
+        if self.merged:
+            raise ValueError(
+                "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+        rows_of: dict[str, list[int]] = {}
+        for row, name in enumerate(adapter_names):
+            rows_of.setdefault(name, []).append(row)
+        result = None
+        for name, rows in rows_of.items():
+            index = torch.tensor(rows, device=x.device)
+            sub_batch = x.index_select(0, index)
+            if name in self.neuroada_delta:
+                out = self._adapted(sub_batch, [name], *args, **kwargs)
+            else:
+                out = frozen_output(self.frozen(), sub_batch, *args, **kwargs)
+            if result is None:
+                result = out.new_empty((len(x), *out.shape[1:]))
+            result.index_copy_(0, index, out.to(result.dtype))
         return result
 
     def __repr__(self) -> str:

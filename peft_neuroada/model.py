@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import (
+    BaseTuner,
+    BaseTunerLayer,
+    _maybe_include_all_linear_layers,
+    check_target_module_exists,
+    onload_layer,
+)
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
 
-from .config import LLAMA_STYLE_TARGETS, TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
-from .layer import Linear, NeuroAdaLayer
-from .registration import PREFIX
+from .config import (
+    LLAMA_STYLE_TARGETS,
+    PREFIX,
+    TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
+    NeuroAdaConfig,
+)
+from .layer import (
+    BASE_ADAPTER_NAME,
+    LOAD_WEIGHTS_HINT,
+    MIXED_BATCH,
+    Linear,
+    MixedBatch,
+    NeuroAdaLayer,
+    unreadable_weight,
+)
 from .selection import index_dtype
 
 _INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
@@ -45,14 +69,24 @@ class NeuroAdaModel(BaseTuner):
         return peft_config
 
     def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
-        """Selection needs whole weights and FSDP must manage the new deltas: inject first, shard second."""
+        """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models."""
         if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
             raise ValueError(
                 "NeuroAda must be added before the model is sharded: call get_peft_model on the plain model, then "
                 "wrap it with fully_shard / FullyShardedDataParallel / accelerator.prepare (see docs/distributed.md)."
             )
+        unreadable = {}
+        for name, module in targeted_modules(model, config):
+            base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
+            if hasattr(base, "weight") and (reason := unreadable_weight(base)):
+                unreadable[name] = reason
+        if unreadable:
+            listed = "; ".join(f"'{name}': {reason}" for name, reason in list(unreadable.items())[:3])
+            more = f" (and {len(unreadable) - 3} more)" if len(unreadable) > 3 else ""
+            raise ValueError(f"NeuroAda cannot read the weights of {listed}{more}. {LOAD_WEIGHTS_HINT}")
 
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        mark_shared_weights(model)
         # Tags end up in the model card written by save_pretrained / push_to_hub.
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada", "peft-neuroada"])
@@ -73,28 +107,16 @@ class NeuroAdaModel(BaseTuner):
         current_key: str,
         **optional_kwargs: Any,
     ) -> None:
-        layer_kwargs = {
-            "k": config.k,
-            "init_weights": config.init_weights,
-            "delta_dtype": config.delta_dtype,
-            "inplace_forward": config.inplace_forward,
-            "selection": config.selection,
-            "neuron_fraction": config.neuron_fraction,
-            "seed": config.selection_seed,
-            "layer_name": current_key,
-        }
         if isinstance(target, NeuroAdaLayer):
-            target.update_layer(adapter_name, **layer_kwargs)
+            target.update_layer(adapter_name, config, layer_name=current_key)
             return
-        new_module = self._create_new_module(config, adapter_name, target, current_key, **layer_kwargs)
+        new_module = self._create_new_module(config, adapter_name, target, current_key)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
     @staticmethod
-    def _create_new_module(
-        config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str, **layer_kwargs: Any
-    ) -> Linear:
+    def _create_new_module(config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str) -> Linear:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         if isinstance(base, Conv1D):
             fan_in_fan_out = True
@@ -111,7 +133,106 @@ class NeuroAdaModel(BaseTuner):
                 f"using fan_in_fan_out={fan_in_fan_out} for them.",
                 stacklevel=2,
             )
-        return Linear(target, adapter_name, fan_in_fan_out=fan_in_fan_out, **layer_kwargs)
+        return Linear(target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key)
+
+    def _check_merge_allowed(self) -> None:
+        super()._check_merge_allowed()
+        mark_shared_weights(self.model)
+
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """peft's `merge_adapter`, all or nothing: every layer is checked first, and if a layer still fails, the
+        layers merged before it are unmerged again, so the model is either fully merged or bit-identical."""
+        self._check_merge_allowed()
+        layers = {name: module for name, module in self.model.named_modules() if isinstance(module, NeuroAdaLayer)}
+        for name, layer in layers.items():
+            if any(adapter in layer.neuroada_delta for adapter in adapter_names or layer.active_adapters):
+                layer.check_mergeable(name)
+        merged = []
+        try:
+            for layer in layers.values():
+                with onload_layer(layer):
+                    before = len(layer.merged_adapters)
+                    layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
+                merged.append((layer, before))
+        except BaseException:
+            for layer, before in reversed(merged):
+                with onload_layer(layer):
+                    layer.unmerge_to(before)
+            raise
+
+    def unmerge_adapter(self) -> None:
+        """peft's `unmerge_adapter`, all or nothing: if a layer fails, the layers unmerged before it are merged again
+        exactly as they were."""
+        unmerged = []
+        try:
+            for module in self.model.modules():
+                if isinstance(module, NeuroAdaLayer) and module.merged:
+                    with onload_layer(module):
+                        names = list(module.merged_adapters)
+                        module.unmerge()
+                    unmerged.append((module, names))
+        except BaseException:
+            for layer, names in reversed(unmerged):
+                with onload_layer(layer):
+                    layer.merge(adapter_names=names)
+            raise
+
+    def _unload_and_optionally_merge(
+        self,
+        merge: bool = True,
+        progressbar: bool = False,
+        safe_merge: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> nn.Module:
+        # Merge everything first (all or nothing), then take the adapter layers out.
+        if merge:
+            self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """Mixed-batch inference (`adapter_names=[...]` in forward/generate) the way peft's LoRA offers it.
+
+        NeuroAda layers read the names from a context variable, so concurrent calls in other threads are unaffected;
+        peft's `modules_to_save` wrappers get them through forward pre-hooks, as with LoRA.
+        """
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        known = set()
+        for module in self.model.modules():
+            if isinstance(module, NeuroAdaLayer):
+                known |= module.neuroada_delta.keys()
+        unexpected = {name for name in adapter_names if name != BASE_ADAPTER_NAME} - known
+        if unexpected:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
+        mixed = MixedBatch(list(adapter_names))
+        num_beams = kwargs.get("num_beams")
+        if isinstance(num_beams, int) and num_beams > 1:
+            # Beam search repeats every input num_beams times, except in an encoder.
+            encoder = _get_encoder(self.model)
+            mixed = MixedBatch(
+                [name for name in adapter_names for _ in range(num_beams)],
+                list(adapter_names),
+                frozenset(id(m) for m in encoder.modules()) if encoder is not None else frozenset(),
+            )
+        hooks = [
+            module.register_forward_pre_hook(
+                partial(_pass_adapter_names, adapter_names=mixed.for_layer(module)), with_kwargs=True
+            )
+            for module in self.model.modules()
+            if isinstance(module, AuxiliaryTrainingWrapper)
+        ]
+        token = MIXED_BATCH.set(mixed)
+        try:
+            yield
+        finally:
+            MIXED_BATCH.reset(token)
+            for hook in hooks:
+                hook.remove()
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         # An explicit delta_dtype is the user's choice and must survive peft's float32 upcast.
@@ -144,6 +265,51 @@ class NeuroAdaModel(BaseTuner):
             if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
                 _check_adapter_fits_layer(name, module, adapter_name, remapped)
         return remapped
+
+
+def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Module]]:
+    """The modules `config` adapts in `model`, resolving default and "all-linear" targets as injection does."""
+    config = copy.deepcopy(config)
+    if config.target_modules is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        config.target_modules = set(
+            TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS)
+        )
+    config = _maybe_include_all_linear_layers(config, model)
+    return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
+
+
+def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
+    return args, {**kwargs, "adapter_names": adapter_names}
+
+
+def _get_encoder(model: nn.Module) -> nn.Module | None:
+    """The encoder of an encoder-decoder model, None otherwise (transformers 5 returns the model itself then)."""
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+    return None if encoder is model else encoder
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """Tensors with equal keys share memory (for tensors without plain storage: only the tensor itself)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        pointer = 0
+    return (tensor.device, pointer) if pointer else ("object", id(tensor))
+
+
+def mark_shared_weights(model: nn.Module) -> None:
+    """Record on every NeuroAda layer which other modules hold its base weight (the same tensor, or its memory)."""
+    holders: dict[tuple, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if tensor is not None:
+                holders.setdefault(_storage_key(tensor), []).append((name, module))
+    for module in model.modules():
+        if isinstance(module, NeuroAdaLayer):
+            base = module.get_base_layer()
+            others = {name for name, holder in holders.get(_storage_key(base.weight), []) if holder is not base}
+            module.weight_shared_with = tuple(sorted(others))
 
 
 def _entries_of_wrapped_layers(

@@ -11,8 +11,8 @@ import enum
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType, register_peft_method
 
-METHOD_NAME = "neuroada"
-PREFIX = "neuroada_"
+from .config import METHOD_NAME, PREFIX, NeuroAdaConfig
+from .model import NeuroAdaModel
 
 
 def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
@@ -33,9 +33,6 @@ def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.E
 
 def register() -> PeftType:
     """Register NEUROADA with peft (once) and return its ``PeftType`` member."""
-    from .config import NeuroAdaConfig
-    from .model import NeuroAdaModel
-
     peft_type = _add_enum_member(PeftType, METHOD_NAME.upper(), METHOD_NAME.upper())
     if peft_type not in PEFT_TYPE_TO_TUNER_MAPPING:
         register_peft_method(

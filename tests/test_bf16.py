@@ -64,7 +64,7 @@ def test_bf16_smollm2_trains_on_a_short_sequence(smollm2_tokenizer):
 def test_inplace_path_never_copies_the_frozen_weight(dtype):
     """The in-place path exists to cost no more than a frozen layer: nothing of the weight's size may be allocated."""
     base = nn.Linear(576, 1536, bias=False).to(dtype).requires_grad_(False)
-    layer = Linear(base, "default", k=1, init_weights=False)
+    layer = Linear(base, "default", NeuroAdaConfig(k=1, init_weights=False))
     x = torch.randn(1, 7, 576, dtype=dtype, requires_grad=True)
     with torch.profiler.profile(profile_memory=True) as profile:
         layer(x).float().sum().backward()

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layer import Linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -23,15 +24,8 @@ def make_layer(
     nn.init.normal_(base.weight)
     nn.init.normal_(base.bias)
     base = base.to(device=device, dtype=dtype).requires_grad_(False)
-    return Linear(
-        base,
-        "default",
-        fan_in_fan_out=conv1d,
-        k=k,
-        init_weights=False,
-        inplace_forward=PATHS[path],
-        neuron_fraction=neuron_fraction,
-    )
+    config = NeuroAdaConfig(k=k, init_weights=False, inplace_forward=PATHS[path], neuron_fraction=neuron_fraction)
+    return Linear(base, "default", config, fan_in_fan_out=conv1d)
 
 
 def positions(layer: Linear, adapter: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +185,7 @@ def test_cpu_autocast_bfloat16_trains_float32_deltas(path):
 
 def test_overlapping_adapters_unmerge_restores_weight_bit_exactly():
     layer = make_layer(k=4, conv1d=True)
-    layer.update_layer("other", k=4, init_weights=False, neuron_fraction=0.5)
+    layer.update_layer("other", NeuroAdaConfig(k=4, init_weights=False, neuron_fraction=0.5))
     original = layer.get_base_layer().weight.detach().clone()
     for _ in range(3):
         layer.merge(adapter_names=["default", "other"])

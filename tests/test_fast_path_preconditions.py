@@ -1,0 +1,156 @@
+"""The in-place fast path writes only into plain, frozen, dense weights that its layer alone holds. Every other weight
+takes the non-mutating path, which computes the same result and never writes into the weight; weights NeuroAda cannot
+even read (offloaded, meta) are refused with a clear error before the model changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.layer import Linear
+from tests.conftest import logits, neuroada_layers, tiny_llama
+
+
+class Tagged(torch.Tensor):
+    """A trivial tensor subclass, standing in for quantized and distributed tensor types."""
+
+
+def plain(base: nn.Linear) -> nn.Linear:
+    return base
+
+
+def subclass_weight(base: nn.Linear) -> nn.Linear:
+    base.weight = nn.Parameter(base.weight.detach().as_subclass(Tagged), requires_grad=False)
+    return base
+
+
+def view_into_a_larger_buffer(base: nn.Linear) -> nn.Linear:
+    buffer = torch.cat([base.weight.detach(), torch.zeros_like(base.weight)])
+    base.weight = nn.Parameter(buffer[: base.out_features], requires_grad=False)
+    return base
+
+
+def trainable_weight(base: nn.Linear) -> nn.Linear:
+    return base.requires_grad_(True)
+
+
+def hooked(base: nn.Linear) -> nn.Linear:
+    base.register_forward_hook(lambda module, args, out: out)
+    return base
+
+
+# Each situation, and what `FrozenLinear.refusal` must say about it (None: the in-place path runs).
+SITUATIONS = {
+    "plain": (plain, None),
+    "tensor-subclass": (subclass_weight, "the weight is a Tagged"),
+    "view-into-larger-buffer": (view_into_a_larger_buffer, "a view into a larger buffer"),
+    "trainable-weight": (trainable_weight, "the base layer trains"),
+    "forward-hook": (hooked, "forward hooks"),
+}
+
+
+def make_layer(situation) -> Linear:
+    torch.manual_seed(0)
+    base = situation(nn.Linear(12, 10).requires_grad_(False))
+    return Linear(base, "default", NeuroAdaConfig(k=3, init_weights=False))
+
+
+def dense_reference(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.weight_out_in().detach().as_subclass(torch.Tensor) + layer.get_delta_weight("default")
+    return nn.functional.linear(x, weight, layer.get_base_layer().bias)
+
+
+@pytest.mark.parametrize(("situation", "refusal"), SITUATIONS.values(), ids=SITUATIONS.keys())
+def test_the_fast_path_runs_only_where_nothing_refuses_it(situation, refusal):
+    reason = make_layer(situation).frozen().refusal()
+    assert reason == refusal if refusal is None else refusal in reason
+
+
+@pytest.mark.parametrize(("situation", "refusal"), SITUATIONS.values(), ids=SITUATIONS.keys())
+def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(situation, refusal):
+    layer = make_layer(situation)
+    weight = layer.get_base_layer().weight
+    before, version = weight.detach().clone(), weight._version
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    out = layer(x)
+    torch.testing.assert_close(out, dense_reference(layer, x), rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    assert torch.equal(weight.detach(), before)
+    if refusal is not None:
+        assert weight._version == version  # never written, not even restored
+
+
+def test_a_trainable_base_weight_gets_its_dense_gradient():
+    layer = make_layer(trainable_weight)
+    x = torch.randn(4, 12)
+    layer(x).square().sum().backward()
+    reference = layer.weight_out_in().detach().clone().requires_grad_(True)
+    delta = layer.get_delta_weight("default")
+    nn.functional.linear(x, reference + delta, layer.get_base_layer().bias).square().sum().backward()
+    torch.testing.assert_close(layer.get_base_layer().weight.grad, reference.grad)
+
+
+def test_a_model_built_in_inference_mode_generates_merges_and_unmerges():
+    """Inference tensors refuse in-place writes outside inference mode: generation takes the non-mutating path, and
+    merging writes inside inference mode."""
+    with torch.inference_mode():
+        frozen_base = tiny_llama()
+    model = get_peft_model(frozen_base, NeuroAdaConfig(k=2, init_weights=False))
+    reference = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    reference.load_state_dict(model.state_dict())
+    assert all("inference tensor" in layer.frozen().refusal() for layer in neuroada_layers(model))
+    tokens = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        generated = model.generate(input_ids=tokens, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        expected = reference.generate(input_ids=tokens, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, expected)
+    layers = neuroada_layers(model)
+    weights = [layer.get_base_layer().weight.clone() for layer in layers]
+    model.merge_adapter()
+    torch.testing.assert_close(logits(model, tokens), logits(reference, tokens), rtol=1e-5, atol=1e-5)
+    model.unmerge_adapter()
+    assert all(torch.equal(layer.get_base_layer().weight, w) for layer, w in zip(layers, weights, strict=True))
+
+
+@pytest.fixture
+def offloaded_llama(tmp_path):
+    """Tiny Llama loaded with accelerate offloading one decoder layer to disk and one kept in CPU RAM."""
+    tiny_llama().save_pretrained(tmp_path / "base")
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", device_map=device_map, offload_folder=tmp_path / "offload"
+    )
+    return model, tmp_path
+
+
+def test_an_offloaded_model_is_refused_before_any_layer_changes(offloaded_llama):
+    model, _ = offloaded_llama
+    modules = dict(model.named_modules())
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_proj': it is offloaded by accelerate.*"):
+        get_peft_model(model, NeuroAdaConfig(k=1))
+    assert dict(model.named_modules()) == modules
+
+
+def test_loading_an_adapter_onto_an_offloaded_model_is_refused_clearly(offloaded_llama):
+    model, tmp_path = offloaded_llama
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="load the model without CPU/disk offloading"):
+        PeftModel.from_pretrained(model, tmp_path / "adapter")
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_its_layers():
+    with torch.device("meta"):
+        model = tiny_llama()
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj': it is on the meta device"):
+        get_peft_model(model, NeuroAdaConfig(k=1))
