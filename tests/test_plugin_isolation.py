@@ -1,0 +1,142 @@
+"""Installing and importing peft_neuroada changes nothing for other peft methods or for interpreters that never use it,
+and the tuner's own modules import each other in one direction only."""
+
+from __future__ import annotations
+
+import ast
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import peft.peft_model
+import peft.utils.save_and_load
+import pytest
+import safetensors.torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import SafetensorError
+
+from peft_neuroada import NeuroAdaConfig, safe_io
+from tests.conftest import tiny_llama
+
+PACKAGE = Path(__file__).resolve().parents[1] / "peft_neuroada"
+
+
+def recorded_save_targets(model, directory: Path, monkeypatch) -> list[str]:
+    """The paths safetensors' `save_file` writes to while `model` saves itself into `directory`."""
+    targets = []
+    real_save = safetensors.torch.save_file
+
+    def recording_save(tensors, filename, metadata=None):
+        targets.append(Path(filename).name)
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save)
+    model.save_pretrained(directory)
+    return targets
+
+
+def test_other_methods_save_exactly_as_peft_alone_does(tmp_path, monkeypatch):
+    lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]))
+    assert recorded_save_targets(lora, tmp_path / "lora", monkeypatch) == ["adapter_model.safetensors"]
+    neuroada = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1))
+    (target,) = recorded_save_targets(neuroada, tmp_path / "neuroada", monkeypatch)
+    assert target.endswith(".partial")  # written aside, then renamed into place
+
+
+def test_other_methods_see_their_own_load_errors(tmp_path):
+    get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"])).save_pretrained(tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(SafetensorError):
+        PeftModel.from_pretrained(tiny_llama(), tmp_path)
+
+
+def test_installing_changes_nothing_where_peft_internals_have_moved(monkeypatch):
+    def moved_save(*args, **kwargs):
+        raise AssertionError("never called")
+
+    def moved_load(*args, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", moved_save)
+    monkeypatch.setattr(peft.utils.save_and_load, "safe_load_file", moved_load)
+    safe_io.install()
+    assert peft.peft_model.safe_save_file is moved_save
+    assert peft.utils.save_and_load.safe_load_file is moved_load
+
+
+def local_imports(module: Path) -> set[str]:
+    """The package's own modules that `module` imports (relative imports)."""
+    names = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names.add(node.module.split(".")[0] if node.module else "")
+    return names - {""}
+
+
+def test_the_tuner_modules_import_each_other_without_cycles():
+    graph = {path.stem: local_imports(path) for path in PACKAGE.glob("*.py")}
+    visiting, done = set(), set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in visiting, f"import cycle: {' -> '.join((*path, name))}"
+        if name in done or name not in graph:
+            return
+        visiting.add(name)
+        for imported in graph[name]:
+            visit(imported, (*path, name))
+        visiting.discard(name)
+        done.add(name)
+
+    for name in graph:
+        visit(name, ())
+    assert "registration" not in set().union(*(graph[m] for m in graph if m != "__init__"))
+
+
+def start_up_hook_installed() -> bool:
+    return any((Path(directory) / "peft_neuroada.pth").exists() for directory in site.getsitepackages())
+
+
+def python(code: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """`python -c code` started outside the checkout, so only the installed package is importable."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env={**os.environ, **env}, timeout=120
+    )
+
+
+needs_hook = pytest.mark.skipif(not start_up_hook_installed(), reason="peft-neuroada is not pip-installed")
+
+
+@needs_hook
+def test_the_start_up_hook_imports_nothing_in_an_interpreter_that_never_imports_peft(tmp_path):
+    modules = "('torch', 'peft', 'peft_neuroada')"
+    done = python(f"import sys; print(sorted(m for m in {modules} if m in sys.modules))", tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "[]"
+
+
+@needs_hook
+def test_the_start_up_hook_can_be_switched_off(tmp_path):
+    code = "import sys, peft; print('peft_neuroada' in sys.modules)"
+    assert python(code, tmp_path).stdout.strip() == "True"
+    done = python(code, tmp_path, PEFT_NEUROADA_NO_AUTOLOAD="1")
+    assert done.stdout.strip() == "False"
+
+
+@needs_hook
+def test_a_broken_peft_neuroada_never_breaks_importing_peft(tmp_path):
+    broken = tmp_path / "peft_neuroada"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise RuntimeError('broken install')\n")
+    done = python("import peft; print(peft.__version__)", tmp_path, PYTHONPATH=str(tmp_path))
+    assert done.returncode == 0 and done.stdout.strip() == peft.__version__
+    assert "could not register the NEUROADA peft type" in done.stderr
+
+
+def test_registering_twice_changes_nothing():
+    import peft_neuroada
+
+    before = dict(peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING)
+    assert peft_neuroada.register() is peft_neuroada.NEUROADA
+    assert dict(peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING) == before
