@@ -1,0 +1,143 @@
+"""NeuroAda's three sparse products, each computed by the fastest backend available for its tensors.
+
+For a layer with weight (d_out, d_in) and n tuned neurons, each with k trainable deltas at input columns
+`cols[i]` (`rows[i]` the neuron's output row; `rows=None` means every neuron, rows = arange(d_out)):
+
+* `sampled_grad(x2d, grad2d, cols, rows)`: the dense weight gradient `grad2d.T @ x2d` at the placement, (n, k)
+  float32: `out[i, j] = sum_t grad2d[t, rows[i]] * x2d[t, cols[i, j]]` (SDDMM).
+* `bypass_forward(x2d, cols, rows, delta, d_out)`: `(P ⊙ Θ) x`, (T, d_out) in x's dtype, zero at untuned rows (SpMM).
+* `bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)`: its transpose, (T, d_in) in `dtype`; duplicated
+  columns across neurons sum.
+
+Backends (`BACKENDS`): "cpu" (the compiled C kernels, `cpu.py`), "triton" (CUDA), "torch" (plain ops, the reference
+and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/performance.md ("Compiled kernels"):
+
+* while `torch.compile` traces: torch (the others are opaque calls it cannot trace);
+* CPU tensors of float32/bfloat16/float16: cpu, whenever the C kernels build here (no compiler: torch, logged once).
+  They beat the torch ops on every measured shape, k and token count, from decoding (T = 1) to training;
+* CUDA tensors with triton installed: triton, except the input gradient under
+  `torch.use_deterministic_algorithms` (triton's uses float32 atomics): torch;
+* anything else (float64, other devices): torch.
+
+Every product accumulates in float32, reads inputs of any strides, takes int32 or int64 indices, and is a plain
+function of its arguments (no autograd, no state): safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import cpu, torch_ops, triton_ops
+
+Backend = Literal["auto", "cpu", "triton", "torch"]
+BACKENDS = ("cpu", "triton", "torch")
+_MODULES = {"cpu": cpu, "triton": triton_ops, "torch": torch_ops}
+
+__all__ = ["BACKENDS", "available_backends", "bypass_forward", "bypass_input_grad", "choose_backend", "sampled_grad"]
+
+
+def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The backends that can run on `device` here (the C kernels are built on first call)."""
+    device = torch.device(device)
+    found = ["torch"]
+    if device.type == "cpu" and cpu.available():
+        found.insert(0, "cpu")
+    if device.type == "cuda" and triton_ops.available():
+        found.insert(0, "triton")
+    return found
+
+
+def choose_backend(op: str, *values: torch.Tensor) -> str:
+    """The backend `backend="auto"` uses for `op` on these value tensors (see the module docstring)."""
+    device = values[0].device.type
+    if torch.compiler.is_compiling():
+        return "torch"
+    if device == "cpu" and cpu.supports(*values) and cpu.available():
+        return "cpu"
+    if device == "cuda" and triton_ops.available():
+        deterministic = op == "bypass_input_grad" and torch.are_deterministic_algorithms_enabled()
+        return "torch" if deterministic else "triton"
+    return "torch"
+
+
+def _validate(
+    op: str, cols: torch.Tensor, rows: torch.Tensor | None, d_out: int, values: dict[str, torch.Tensor]
+) -> None:
+    """Refuse what no backend computes correctly, before anything runs."""
+    for name, t in values.items():
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.device != cols.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but cols is on {cols.device}")
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+    if cols.dim() != 2 or cols.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: cols must be an (n, k) int32/int64 tensor, got {cols.dtype} {tuple(cols.shape)}")
+    if rows is None:
+        if cols.shape[0] != d_out:
+            raise ValueError(f"{op}: rows=None means every neuron is tuned, but cols has {cols.shape[0]} rows "
+                             f"for {d_out} outputs")  # fmt: skip
+    elif rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.shape[0] != cols.shape[0]:
+        raise ValueError(f"{op}: rows must be an (n,) int32/int64 tensor matching cols {tuple(cols.shape)}, "
+                         f"got {rows.dtype} {tuple(rows.shape)}")  # fmt: skip
+    elif rows.device != cols.device:
+        raise ValueError(f"{op}: rows is on {rows.device} but cols is on {cols.device}")
+    if "delta" in values and values["delta"].shape != cols.shape:
+        raise ValueError(f"{op}: delta {tuple(values['delta'].shape)} and cols {tuple(cols.shape)} differ in shape")
+
+
+def _module(op: str, backend: Backend, *values: torch.Tensor):
+    name = choose_backend(op, *values) if backend == "auto" else backend
+    if name not in _MODULES:
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+    return _MODULES[name]
+
+
+def sampled_grad(
+    x2d: torch.Tensor,
+    grad2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """`(grad2d.T @ x2d)[rows[i], cols[i, j]]` as an (n, k) float32 tensor, without forming the product."""
+    _validate("sampled_grad", cols, rows, grad2d.shape[1], {"x2d": x2d, "grad2d": grad2d})
+    if x2d.shape[0] != grad2d.shape[0]:
+        raise ValueError(f"sampled_grad: x2d has {x2d.shape[0]} tokens but grad2d has {grad2d.shape[0]}")
+    return _module("sampled_grad", backend, x2d, grad2d).sampled_grad(x2d, grad2d, cols, rows)
+
+
+def bypass_forward(
+    x2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_out: int,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """`y[t, rows[i]] = sum_j x2d[t, cols[i, j]] * delta[i, j]`, (T, d_out) in x2d's dtype, zero elsewhere."""
+    _validate("bypass_forward", cols, rows, d_out, {"x2d": x2d, "delta": delta})
+    return _module("bypass_forward", backend, x2d, delta).bypass_forward(x2d, cols, rows, delta, d_out)
+
+
+def bypass_input_grad(
+    grad2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_in: int,
+    dtype: torch.dtype | None = None,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """`gx[t, c] = sum over cols[i, j] == c of grad2d[t, rows[i]] * delta[i, j]`, (T, d_in) in `dtype` (default:
+    grad2d's)."""
+    _validate("bypass_input_grad", cols, rows, grad2d.shape[1], {"grad2d": grad2d, "delta": delta})
+    dtype = grad2d.dtype if dtype is None else dtype
+    probe = torch.empty(0, dtype=dtype, device=grad2d.device)  # the output's dtype must be supported too
+    module = _module("bypass_input_grad", backend, grad2d, delta, probe)
+    return module.bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)
