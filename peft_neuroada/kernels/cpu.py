@@ -28,7 +28,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("neuroada_cpu.c")
-FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+# Tried first; compilers that do not know it (some Apple clang versions) build the portable library instead.
+NATIVE_FLAGS = ("-march=native",)
 # Tokens per packed block: x^T of a block (d_in x 80 floats) stays in L2 for every SmolLM2 and 0.55B shape; 32 and
 # 128 measured within a few percent of it on all of them (docs/performance.md, "Compiled kernels").
 TOKEN_BLOCK = 64
@@ -38,7 +40,12 @@ FORWARD_GATHER_MAX_K = 1
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 INDEX_DTYPES = (torch.int32, torch.int64)
-_STATUS = {1: "an index is out of range", 2: "out of memory", 3: "invalid sizes"}
+_STATUS = {
+    1: "cols has an index outside [0, d_in)",
+    2: "out of memory",
+    3: "invalid sizes",
+    4: "rows has an index outside [0, d_out)",
+}
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -70,7 +77,7 @@ def _cpu_identity() -> str:
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_identity()]).encode()
+        "\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS + NATIVE_FLAGS), _cpu_identity()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"neuroada_cpu-{key}.so"
 
@@ -81,7 +88,11 @@ def _build(cc: str, target: Path) -> None:
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", temporary], check=True, capture_output=True, timeout=300)
+        try:
+            command = [cc, *FLAGS, str(SOURCE), "-o", temporary]
+            subprocess.run([*command, *NATIVE_FLAGS], check=True, capture_output=True, timeout=300)
+        except subprocess.CalledProcessError:
+            subprocess.run(command, check=True, capture_output=True, timeout=300)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
@@ -157,7 +168,8 @@ def _placement(cols: torch.Tensor, rows: torch.Tensor | None) -> tuple[list, tor
 
 def _check(status: int) -> None:
     if status:
-        raise (IndexError if status == 1 else RuntimeError)(f"NeuroAda C kernel: {_STATUS.get(status, status)}")
+        error = IndexError if status in (1, 4) else RuntimeError
+        raise error(f"NeuroAda sparse product (C kernel): {_STATUS.get(status, status)}")
 
 
 def _required() -> ctypes.CDLL:

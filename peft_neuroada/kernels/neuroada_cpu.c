@@ -6,7 +6,7 @@
  *
  * Shapes: x (T, d_in), g (T, d_out), any strides; cols (n, k) and rows (n,) int32 or int64, contiguous; rows NULL
  * means rows = arange(n) with n = d_out. Element types: 0 float32, 1 bfloat16, 2 float16. Every index is checked
- * before anything is written: a bad one returns NA_BAD_INDEX and leaves the outputs untouched.
+ * before anything is written: a bad one returns NA_BAD_COLUMN or NA_BAD_ROW and leaves the outputs untouched.
  *
  * Layouts. Tokens are walked in blocks of `tb` (a multiple of the vector width), packed into float32 scratch with 8 x 8
  * register transposes (and converted from bfloat16/float16 on the way):
@@ -28,9 +28,10 @@
 #endif
 
 #define NA_OK 0
-#define NA_BAD_INDEX 1
+#define NA_BAD_COLUMN 1
 #define NA_NO_MEMORY 2
 #define NA_BAD_ARGUMENT 3
+#define NA_BAD_ROW 4
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -148,8 +149,8 @@ static void *aligned_buffer(int64_t floats) {
     return aligned_alloc(64, bytes);
 }
 
-/* Copy an index array into int32, checking 0 <= index < limit. */
-static int convert_indices(const void *src, int itype, int64_t count, int64_t limit, int32_t *dst) {
+/* Copy an index array into int32; whether every index lies in [0, limit). */
+static int indices_in_range(const void *src, int itype, int64_t count, int64_t limit, int32_t *dst) {
     int bad = 0;
     if (itype == 0) {
         const int32_t *s = (const int32_t *)src;
@@ -164,7 +165,7 @@ static int convert_indices(const void *src, int itype, int64_t count, int64_t li
             dst[e] = (int32_t)s[e];
         }
     }
-    return bad ? NA_BAD_INDEX : NA_OK;
+    return !bad;
 }
 
 static void free_placement(placement *p) {
@@ -184,10 +185,10 @@ static int make_placement(placement *p, const void *cols, int cdt, const void *r
     p->T = T, p->d_in = d_in, p->d_out = d_out, p->n = n, p->k = k, p->tb = tb;
     p->cols = aligned_buffer(n * k);
     if (!p->cols) return NA_NO_MEMORY;
-    int status = convert_indices(cols, cdt, n * k, d_in, p->cols);
+    int status = indices_in_range(cols, cdt, n * k, d_in, p->cols) ? NA_OK : NA_BAD_COLUMN;
     if (status == NA_OK && rows) {
         p->rows = aligned_buffer(n);
-        status = p->rows ? convert_indices(rows, rdt, n, d_out, p->rows) : NA_NO_MEMORY;
+        status = !p->rows ? NA_NO_MEMORY : indices_in_range(rows, rdt, n, d_out, p->rows) ? NA_OK : NA_BAD_ROW;
     }
     if (status == NA_OK && delta) {
         p->delta = aligned_buffer(n * k);

@@ -14,6 +14,16 @@ import torch
 COLUMN_LOOP_MAX_K = 4
 
 
+def _check_bounds(cols: torch.Tensor, rows: torch.Tensor | None, d_in: int, d_out: int) -> None:
+    """Out-of-range indices raise IndexError, as in the C kernels. CPU only: on CUDA the check would synchronize
+    (the placements are checked when a layer is built)."""
+    if cols.device.type != "cpu":
+        return
+    for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
+        if index is not None and index.numel() and (index.min() < 0 or index.max() >= limit):
+            raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
+
+
 def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t2d if rows is None else t2d.index_select(1, rows)
 
@@ -34,6 +44,7 @@ def _sparse_kernels_cover(t: torch.Tensor, k: int) -> bool:
 def sampled_grad(
     x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
+    _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     tuned = _tuned_columns(grad2d, rows).float()
     n, k = cols.shape
     if not _sparse_kernels_cover(x2d, k):
@@ -48,6 +59,7 @@ def sampled_grad(
 def bypass_forward(
     x2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor, d_out: int
 ) -> torch.Tensor:
+    _check_bounds(cols, rows, x2d.shape[1], d_out)
     n, k = cols.shape
     if _sparse_kernels_cover(x2d, k):
         tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.float()), x2d.float().T).T
@@ -58,7 +70,7 @@ def bypass_forward(
     if rows is None:
         return tuned.to(x2d.dtype)
     out = torch.zeros(x2d.shape[0], d_out, dtype=x2d.dtype, device=x2d.device)
-    return out.index_copy_(1, rows, tuned.to(x2d.dtype))
+    return out.index_copy_(1, rows.long(), tuned.to(x2d.dtype))  # index_copy_ takes int64 only
 
 
 def bypass_input_grad(
@@ -69,6 +81,7 @@ def bypass_input_grad(
     d_in: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
+    _check_bounds(cols, rows, d_in, grad2d.shape[1])
     tuned = _tuned_columns(grad2d, rows).float()
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=torch.float32, device=grad2d.device)
     for j in range(cols.shape[1]):
