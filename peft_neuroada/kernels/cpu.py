@@ -48,7 +48,7 @@ _STATUS = {
 }
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[str | None, str | None], ctypes.CDLL | None] = {}
 
 
 def cache_dir() -> Path:
@@ -112,14 +112,16 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on first use; None (logged once) when that is not possible here."""
-    cc = compiler()
-    key = cc or ""
+    """The loaded kernels, building them on first use; None (logged once) when that is not possible here.
+
+    Looked up per call by the two settings that choose the library (a dict lookup: finding the compiler on PATH
+    costs about 0.1 ms)."""
+    key = (os.environ.get("CC"), os.environ.get("PEFT_NEUROADA_CACHE"))
     if key in _loaded:
         return _loaded[key]
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _load(cc)
+            _loaded[key] = _load(compiler())
         return _loaded[key]
 
 

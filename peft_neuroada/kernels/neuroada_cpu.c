@@ -52,6 +52,8 @@ int na_vector_width(void) { return VW; }
 /* Leading dimension of a packed feature-major block: one vector more than the block, so that its rows do not all map
  * to the same cache sets (a power-of-two stride made tb = 256 blocks 3-6x slower). */
 #define LD(tb) ((tb) + VW)
+/* Vectors per full token block: the block the kernels are unrolled for (cpu.py passes tb = 64). */
+#define FULL_VECS (64 / VW)
 
 /* ------------------------------------------------------------------------------------------- element conversion */
 
@@ -180,8 +182,10 @@ static int make_placement(placement *p, const void *cols, int cdt, const void *r
                           int ddt, int64_t T, int64_t d_in, int64_t d_out, int64_t n, int64_t k, int64_t tb,
                           int transposed) {
     memset(p, 0, sizeof(*p));
-    if (T < 0 || d_in < 0 || d_out < 0 || n < 0 || k < 0 || tb <= 0 || tb % VW || (rows == NULL && n != d_out))
+    if (T < 0 || d_in < 0 || d_out < 0 || n < 0 || k < 0 || tb <= 0 || tb % VW || tb > FULL_VECS * VW ||
+        (rows == NULL && n != d_out))
         return NA_BAD_ARGUMENT;
+    if (T < tb) tb = T > 0 ? (T + VW - 1) / VW * VW : VW; /* short inputs (decoding) get small scratch blocks */
     p->T = T, p->d_in = d_in, p->d_out = d_out, p->n = n, p->k = k, p->tb = tb;
     p->cols = aligned_buffer(n * k);
     if (!p->cols) return NA_NO_MEMORY;
@@ -327,14 +331,19 @@ static void pack_transposed(const matrix *src, int64_t t0, int64_t len, int64_t 
                             float *dst, int64_t ld) {
     int64_t padded = (len + VW - 1) / VW * VW, f_tiles = 0, t_tiles = 0;
     if (src->s1 == 1 && !feature_map) {
+        /* 64 features (four cache lines of each source row) at a time, read row after row, so every source line is
+         * used whole once and the 64 destination rows being filled stay in L1 */
         f_tiles = features / 8 * 8, t_tiles = len / 8 * 8;
-        for (int64_t f = 0; f < f_tiles; f += 8)
-            for (int64_t t = 0; t < t_tiles; t += 8) {
-                v8f r[8];
-                for (int q = 0; q < 8; q++) r[q] = load8(src->data, (t0 + t + q) * src->s0 + f, src->dtype);
-                transpose8(r);
-                for (int q = 0; q < 8; q++) *(v8fu *)(dst + (f + q) * ld + t) = r[q];
-            }
+        for (int64_t f0 = 0; f0 < f_tiles; f0 += 64) {
+            int64_t f1 = f0 + 64 < f_tiles ? f0 + 64 : f_tiles;
+            for (int64_t t = 0; t < t_tiles; t += 8)
+                for (int64_t f = f0; f < f1; f += 8) {
+                    v8f r[8];
+                    for (int q = 0; q < 8; q++) r[q] = load8(src->data, (t0 + t + q) * src->s0 + f, src->dtype);
+                    transpose8(r);
+                    for (int q = 0; q < 8; q++) *(v8fu *)(dst + (f + q) * ld + t) = r[q];
+                }
+        }
     } else if (src->s0 == 1 && !feature_map) {
         f_tiles = features, t_tiles = len / 8 * 8;
         for (int64_t f = 0; f < features; f++)
@@ -438,6 +447,29 @@ typedef struct {
     int status;
 } grad_ctx;
 
+/* One neuron's k dot products over a block: its gradient row (nv vectors) is loaded once and kept in registers while
+ * the x^T rows of four columns at a time stream past. Inlined with nv a constant for full blocks (fully unrolled). */
+static inline __attribute__((always_inline)) void grad_neuron(const vf *restrict gi, const float *restrict xt,
+                                                              int64_t ld, const int32_t *restrict ci,
+                                                              float *restrict oi, int64_t k, int64_t nv) {
+    vf g[FULL_VECS];
+    for (int64_t v = 0; v < nv; v++) g[v] = gi[v];
+    int64_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld), *x1 = (const vf *)(xt + (int64_t)ci[j + 1] * ld),
+                 *x2 = (const vf *)(xt + (int64_t)ci[j + 2] * ld), *x3 = (const vf *)(xt + (int64_t)ci[j + 3] * ld);
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t v = 0; v < nv; v++) a0 += g[v] * x0[v], a1 += g[v] * x1[v], a2 += g[v] * x2[v], a3 += g[v] * x3[v];
+        oi[j] += hsum(a0), oi[j + 1] += hsum(a1), oi[j + 2] += hsum(a2), oi[j + 3] += hsum(a3);
+    }
+    for (; j < k; j++) {
+        const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld);
+        vf a0 = {0};
+        for (int64_t v = 0; v < nv; v++) a0 += g[v] * x0[v];
+        oi[j] += hsum(a0);
+    }
+}
+
 static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     grad_ctx *c = (grad_ctx *)arg;
     const placement *p = c->p;
@@ -455,25 +487,10 @@ static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
         for (int64_t i = 0; i < n; i++) {
             const vf *gi = (const vf *)(gt + i * ld);
-            const int32_t *ci = p->cols + i * k;
-            float *oi = out + i * k;
-            int64_t j = 0;
-            for (; j + 4 <= k; j += 4) {
-                const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld), *x1 = (const vf *)(xt + (int64_t)ci[j + 1] * ld),
-                         *x2 = (const vf *)(xt + (int64_t)ci[j + 2] * ld), *x3 = (const vf *)(xt + (int64_t)ci[j + 3] * ld);
-                vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t v = 0; v < nv; v++) {
-                    vf gv = gi[v];
-                    a0 += gv * x0[v], a1 += gv * x1[v], a2 += gv * x2[v], a3 += gv * x3[v];
-                }
-                oi[j] += hsum(a0), oi[j + 1] += hsum(a1), oi[j + 2] += hsum(a2), oi[j + 3] += hsum(a3);
-            }
-            for (; j < k; j++) {
-                const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld);
-                vf a0 = {0};
-                for (int64_t v = 0; v < nv; v++) a0 += gi[v] * x0[v];
-                oi[j] += hsum(a0);
-            }
+            if (nv == FULL_VECS)
+                grad_neuron(gi, xt, ld, p->cols + i * k, out + i * k, k, FULL_VECS);
+            else
+                grad_neuron(gi, xt, ld, p->cols + i * k, out + i * k, k, nv);
         }
     }
     free(xt), free(gt);
@@ -489,7 +506,7 @@ int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void
         return status;
     }
     matrix mx = {x, xs0, xs1, xdt}, mg = {g, gs0, gs1, gdt};
-    int64_t blocks = (T + tb - 1) / tb, size = n * k;
+    int64_t blocks = (T + p.tb - 1) / p.tb, size = n * k;
     workers = worker_count(workers, blocks, T * (d_in + n + n * k));
     float *partial = workers > 1 ? aligned_buffer((workers - 1) * size) : NULL;
     if (workers > 1 && !partial) {
@@ -527,6 +544,19 @@ static void store_token_columns(fwd_ctx *c, const float *yt_rows, int64_t t0, in
     unpack_transposed(yt_rows, ld, t0, len, p->n, p->rows, c->y, c->ys0, c->ydt);
 }
 
+/* One neuron's output over a block: its k scaled x^T rows summed in nv registers. */
+static inline __attribute__((always_inline)) void fwd_neuron(const float *restrict xt, int64_t ld,
+                                                             const int32_t *restrict ci, const float *restrict di,
+                                                             vf *restrict yi, int64_t k, int64_t nv) {
+    vf a[FULL_VECS] = {{0}};
+    for (int64_t j = 0; j < k; j++) {
+        const vf *xr = (const vf *)(xt + (int64_t)ci[j] * ld);
+        float d = di[j];
+        for (int64_t v = 0; v < nv; v++) a[v] += d * xr[v];
+    }
+    for (int64_t v = 0; v < nv; v++) yi[v] = a[v];
+}
+
 static void fwd_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     (void)worker;
     fwd_ctx *c = (fwd_ctx *)arg;
@@ -542,19 +572,11 @@ static void fwd_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
         pack_transposed(c->x, t0, len, p->d_in, NULL, xt, ld);
         for (int64_t i = 0; i < n; i++) {
-            const int32_t *ci = p->cols + i * k;
-            const float *di = p->delta + i * k;
             vf *yi = (vf *)(yt + i * ld);
-            for (int64_t v0 = 0; v0 < nv; v0 += 4) { /* four token vectors held in registers across the k inputs */
-                int64_t vn = nv - v0 < 4 ? nv - v0 : 4;
-                vf a[4] = {{0}, {0}, {0}, {0}};
-                for (int64_t j = 0; j < k; j++) {
-                    const vf *xr = (const vf *)(xt + (int64_t)ci[j] * ld) + v0;
-                    float d = di[j];
-                    for (int64_t v = 0; v < vn; v++) a[v] += d * xr[v];
-                }
-                for (int64_t v = 0; v < vn; v++) yi[v0 + v] = a[v];
-            }
+            if (nv == FULL_VECS)
+                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, FULL_VECS);
+            else
+                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, nv);
         }
         store_token_columns(c, yt, t0, len, ld);
     }
@@ -607,7 +629,7 @@ int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const vo
     if (status == NA_OK) {
         matrix mx = {x, xs0, xs1, xdt};
         fwd_ctx ctx = {&mx, &p, y, ydt, ys0, NA_OK};
-        int64_t blocks = (T + tb - 1) / tb;
+        int64_t blocks = (T + p.tb - 1) / p.tb;
         parallel_for(worker_count(workers, blocks, T * (p.d_in + n + n * k)), blocks,
                      layout == 1 ? fwd_gather_blocks : fwd_dot_blocks, &ctx);
         status = ctx.status;
@@ -627,6 +649,21 @@ typedef struct {
     int status;
 } igrad_ctx;
 
+/* One neuron's share of the input gradient over a block: its gradient row in nv registers, scaled into k rows of
+ * gx^T (read-modify-write; columns shared by several neurons accumulate). Gathering per input column instead (a
+ * column index built per call, each gx^T row written once) measured no faster. */
+static inline __attribute__((always_inline)) void igrad_neuron(const vf *restrict gi, float *gxt, int64_t ld,
+                                                               const int32_t *restrict ci, const float *restrict di,
+                                                               int64_t k, int64_t nv) {
+    vf g[FULL_VECS];
+    for (int64_t v = 0; v < nv; v++) g[v] = gi[v];
+    for (int64_t j = 0; j < k; j++) {
+        vf *dst = (vf *)(gxt + (int64_t)ci[j] * ld);
+        float d = di[j];
+        for (int64_t v = 0; v < nv; v++) dst[v] += d * g[v];
+    }
+}
+
 static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     (void)worker;
     igrad_ctx *c = (igrad_ctx *)arg;
@@ -644,18 +681,10 @@ static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         for (int64_t f = 0; f < d_in; f++) memset(gxt + f * ld, 0, (size_t)nv * VW * 4);
         for (int64_t i = 0; i < n; i++) {
             const vf *gi = (const vf *)(gt + i * ld);
-            const int32_t *ci = p->cols + i * k;
-            const float *di = p->delta + i * k;
-            for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-                int64_t vn = nv - v0 < 4 ? nv - v0 : 4;
-                vf gv[4];
-                for (int64_t v = 0; v < vn; v++) gv[v] = gi[v0 + v];
-                for (int64_t j = 0; j < k; j++) {
-                    vf *dst = (vf *)(gxt + (int64_t)ci[j] * ld) + v0;
-                    float d = di[j];
-                    for (int64_t v = 0; v < vn; v++) dst[v] += d * gv[v];
-                }
-            }
+            if (nv == FULL_VECS)
+                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, FULL_VECS);
+            else
+                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, nv);
         }
         unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt);
     }
@@ -670,7 +699,7 @@ int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const
     if (status == NA_OK) {
         matrix mg = {g, gs0, gs1, gdt};
         igrad_ctx ctx = {&mg, &p, gx, gxdt, gxs0, NA_OK};
-        int64_t blocks = (T + tb - 1) / tb;
+        int64_t blocks = (T + p.tb - 1) / p.tb;
         parallel_for(worker_count(workers, blocks, T * (d_in + n + n * k)), blocks, igrad_dot_blocks, &ctx);
         status = ctx.status;
     }
