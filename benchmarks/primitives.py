@@ -175,7 +175,8 @@ def bypass_input_reference(layer: Layer) -> torch.Tensor:
 
 
 def kernel_candidates(backend: str) -> dict[str, Callable[[Layer], torch.Tensor]]:
-    """One backend's three products, alone and as the non-mutating path uses them (base matmul + bypass)."""
+    """One backend's three products, alone and as the non-mutating path uses them: the bypass added into the base
+    matmul's output in place (`out=`)."""
 
     def grad(layer: Layer) -> torch.Tensor:
         return kernels.sampled_grad(layer.x, layer.grad_out, layer.cols, backend=backend)
@@ -189,10 +190,15 @@ def kernel_candidates(backend: str) -> dict[str, Callable[[Layer], torch.Tensor]
         )
 
     def base_plus_bypass(layer: Layer) -> torch.Tensor:
-        return F.linear(layer.x, layer.weight) + bypass(layer)
+        base = F.linear(layer.x, layer.weight)
+        return kernels.bypass_forward(layer.x, layer.cols, None, layer.delta, base.shape[1], out=base, backend=backend)
 
     def input_base_plus_bypass(layer: Layer) -> torch.Tensor:
-        return layer.grad_out @ layer.weight + bypass_input(layer)
+        base = layer.grad_out @ layer.weight
+        d_in = base.shape[1]
+        return kernels.bypass_input_grad(
+            layer.grad_out, layer.cols, None, layer.delta, d_in, out=base, backend=backend
+        )
 
     return {
         "delta grad": grad,

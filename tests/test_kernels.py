@@ -112,6 +112,31 @@ def test_strided_inputs_are_read_in_place(backend):
     assert_matches(got, expected[2], torch.float32)
 
 
+def check_accumulation(case: Case, backend: str) -> None:
+    """`out=` adds the product into the caller's tensor (rows of unit stride, or any other strides)."""
+    dtype = case.x.dtype
+    for make in (lambda t: t.clone(), lambda t: t.T.contiguous().T):
+        base = torch.randn(case.x.shape[0], case.d_out).to(dtype)
+        out = make(base)
+        got = kernels.bypass_forward(case.x, case.cols, case.rows, case.delta, case.d_out, out=out, backend=backend)
+        assert got is out
+        assert_matches(out, base.double() + case.forward(), dtype)
+        base = torch.randn(*case.x.shape).to(dtype)
+        out = make(base)
+        got = kernels.bypass_input_grad(
+            case.grad, case.cols, case.rows, case.delta, case.d_in, out=out, backend=backend
+        )
+        assert got is out
+        assert_matches(out, base.double() + case.input_grad(), dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 20])
+def test_products_accumulate_into_out(backend, dtype, k):
+    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype), backend)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_duplicate_columns_across_neurons_sum_in_the_input_gradient(backend):
     case = Case(9, 6, 8, 3)

@@ -105,8 +105,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     placement = [p, i, p, i]  # cols, index dtype, rows, index dtype
     sizes = [i64] * 5  # T, d_in, d_out, n, k
     lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
-    lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
-    lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i64, i]
+    lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
+    lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
     for fn in (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad, lib.na_vector_width):
         fn.restype = ctypes.c_int
 
@@ -199,20 +199,27 @@ def sampled_grad(
 
 
 def bypass_forward(
-    x2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor, d_out: int
+    x2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_out: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = _required()
     n, k = cols.shape
     if n * k == 0 or x2d.shape[0] == 0:
-        return x2d.new_zeros(x2d.shape[0], d_out)
-    out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype)
+        return x2d.new_zeros(x2d.shape[0], d_out) if out is None else out
+    accumulate = out is not None
+    out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
     delta = delta.detach().contiguous()
     layout = int(k <= FORWARD_GATHER_MAX_K)
     sizes = [x2d.shape[0], x2d.shape[1], d_out, n, k]
     status = lib.na_bypass_forward(
         *_matrix(x2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
-        out.data_ptr(), DTYPE_CODES[out.dtype], out.stride(0), layout, TOKEN_BLOCK, torch.get_num_threads(),
+        out.data_ptr(), DTYPE_CODES[out.dtype], out.stride(0), accumulate, layout, TOKEN_BLOCK,
+        torch.get_num_threads(),
     )  # fmt: skip
     _check(status)
     return out
@@ -225,18 +232,20 @@ def bypass_input_grad(
     delta: torch.Tensor,
     d_in: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = _required()
     n, k = cols.shape
     if n * k == 0 or grad2d.shape[0] == 0:
-        return grad2d.new_zeros(grad2d.shape[0], d_in, dtype=dtype)
-    out = torch.empty(grad2d.shape[0], d_in, dtype=dtype)
+        return grad2d.new_zeros(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
+    accumulate = out is not None
+    out = torch.empty(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
     delta = delta.detach().contiguous()
     sizes = [grad2d.shape[0], d_in, grad2d.shape[1], n, k]
     status = lib.na_bypass_input_grad(
         *_matrix(grad2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
-        out.data_ptr(), DTYPE_CODES[dtype], out.stride(0), TOKEN_BLOCK, torch.get_num_threads(),
+        out.data_ptr(), DTYPE_CODES[out.dtype], out.stride(0), accumulate, TOKEN_BLOCK, torch.get_num_threads(),
     )  # fmt: skip
     _check(status)
     return out

@@ -364,9 +364,10 @@ static void pack_transposed(const matrix *src, int64_t t0, int64_t len, int64_t 
     }
 }
 
-/* dst[t0 + t, feature(f)] = src[f * ld + t] for t < len (dst row-major with unit feature stride): the inverse. */
+/* dst[t0 + t, feature(f)] = src[f * ld + t] for t < len (dst row-major with unit feature stride): the inverse.
+ * With `accumulate`, added to what dst holds (in float32, rounded once). */
 static void unpack_transposed(const float *src, int64_t ld, int64_t t0, int64_t len, int64_t features,
-                              const int32_t *feature_map, void *dst, int64_t ds0, int dtype) {
+                              const int32_t *feature_map, void *dst, int64_t ds0, int dtype, int accumulate) {
     int64_t f_tiles = 0, t_tiles = 0;
     if (!feature_map) {
         f_tiles = features / 8 * 8, t_tiles = len / 8 * 8;
@@ -375,7 +376,10 @@ static void unpack_transposed(const float *src, int64_t ld, int64_t t0, int64_t 
                 v8f r[8];
                 for (int q = 0; q < 8; q++) r[q] = *(const v8fu *)(src + (f + q) * ld + t);
                 transpose8(r);
-                for (int q = 0; q < 8; q++) store8(dst, (t0 + t + q) * ds0 + f, dtype, r[q]);
+                for (int q = 0; q < 8; q++) {
+                    int64_t offset = (t0 + t + q) * ds0 + f;
+                    store8(dst, offset, dtype, accumulate ? r[q] + load8(dst, offset, dtype) : r[q]);
+                }
             }
     }
     const int64_t FB = 64;
@@ -383,8 +387,10 @@ static void unpack_transposed(const float *src, int64_t ld, int64_t t0, int64_t 
         int64_t f1 = f0 + FB < features ? f0 + FB : features;
         for (int64_t t = 0; t < len; t++) {
             int64_t row = (t0 + t) * ds0;
-            for (int64_t f = t < t_tiles ? (f0 > f_tiles ? f0 : f_tiles) : f0; f < f1; f++)
-                store_elem(dst, row + (feature_map ? feature_map[f] : f), dtype, src[f * ld + t]);
+            for (int64_t f = t < t_tiles ? (f0 > f_tiles ? f0 : f_tiles) : f0; f < f1; f++) {
+                int64_t offset = row + (feature_map ? feature_map[f] : f);
+                store_elem(dst, offset, dtype, src[f * ld + t] + (accumulate ? load_elem(dst, offset, dtype) : 0.0f));
+            }
         }
     }
 }
@@ -531,17 +537,18 @@ typedef struct {
     void *y;
     int ydt;
     int64_t ys0; /* y is (T, d_out) with unit feature stride */
+    int accumulate; /* add into y (untuned outputs untouched) rather than overwrite it (untuned outputs zeroed) */
     int status;
 } fwd_ctx;
 
 static void store_token_columns(fwd_ctx *c, const float *yt_rows, int64_t t0, int64_t len, int64_t ld) {
     /* yt_rows: (n, ld) feature-major; into y rows t0..t0+len at the tuned columns, zero elsewhere. */
     const placement *p = c->p;
-    if (p->rows)
+    if (p->rows && !c->accumulate)
         for (int64_t t = 0; t < len; t++)
             memset((char *)c->y + (t0 + t) * c->ys0 * (c->ydt == F32 ? 4 : 2), 0,
                    (size_t)p->d_out * (c->ydt == F32 ? 4 : 2));
-    unpack_transposed(yt_rows, ld, t0, len, p->n, p->rows, c->y, c->ys0, c->ydt);
+    unpack_transposed(yt_rows, ld, t0, len, p->n, p->rows, c->y, c->ys0, c->ydt, c->accumulate);
 }
 
 /* One neuron's output over a block: its k scaled x^T rows summed in nv registers. */
@@ -605,15 +612,15 @@ static void fwd_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
                 vf acc = {0};
                 for (int64_t j = 0; j < k; j++)
                     acc += *(const vf *)(p->delta_t + j * np + i0) * gather(xt, *(const vi *)(p->cols_t + j * np + i0));
-                *(vfu *)(dst + i0) = acc;
+                *(vfu *)(dst + i0) = direct && c->accumulate ? acc + *(vfu *)(dst + i0) : acc;
             }
             if (!direct) {
                 int64_t row = (t0 + t) * c->ys0;
-                if (p->rows) {
+                if (p->rows && !c->accumulate)
                     memset((char *)c->y + row * (c->ydt == F32 ? 4 : 2), 0, (size_t)p->d_out * (c->ydt == F32 ? 4 : 2));
-                    for (int64_t i = 0; i < n; i++) store_elem(c->y, row + p->rows[i], c->ydt, yr[i]);
-                } else {
-                    for (int64_t i = 0; i < n; i++) store_elem(c->y, row + i, c->ydt, yr[i]);
+                for (int64_t i = 0; i < n; i++) {
+                    int64_t offset = row + (p->rows ? p->rows[i] : i);
+                    store_elem(c->y, offset, c->ydt, yr[i] + (c->accumulate ? load_elem(c->y, offset, c->ydt) : 0.0f));
                 }
             }
         }
@@ -623,12 +630,12 @@ static void fwd_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
 
 int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const void *cols, int cdt, const void *rows,
                       int rdt, const void *delta, int ddt, int64_t T, int64_t d_in, int64_t d_out, int64_t n, int64_t k,
-                      void *y, int ydt, int64_t ys0, int layout, int64_t tb, int workers) {
+                      void *y, int ydt, int64_t ys0, int accumulate, int layout, int64_t tb, int workers) {
     placement p;
     int status = make_placement(&p, cols, cdt, rows, rdt, delta, ddt, T, d_in, d_out, n, k, tb, layout == 1);
     if (status == NA_OK) {
         matrix mx = {x, xs0, xs1, xdt};
-        fwd_ctx ctx = {&mx, &p, y, ydt, ys0, NA_OK};
+        fwd_ctx ctx = {&mx, &p, y, ydt, ys0, accumulate, NA_OK};
         int64_t blocks = (T + p.tb - 1) / p.tb;
         parallel_for(worker_count(workers, blocks, T * (p.d_in + n + n * k)), blocks,
                      layout == 1 ? fwd_gather_blocks : fwd_dot_blocks, &ctx);
@@ -646,6 +653,7 @@ typedef struct {
     void *gx;
     int gxdt;
     int64_t gxs0;
+    int accumulate;
     int status;
 } igrad_ctx;
 
@@ -686,19 +694,20 @@ static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
             else
                 igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, nv);
         }
-        unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt);
+        unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt, c->accumulate);
     }
     free(gt), free(gxt);
 }
 
 int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const void *cols, int cdt,
                          const void *rows, int rdt, const void *delta, int ddt, int64_t T, int64_t d_in, int64_t d_out,
-                         int64_t n, int64_t k, void *gx, int gxdt, int64_t gxs0, int64_t tb, int workers) {
+                         int64_t n, int64_t k, void *gx, int gxdt, int64_t gxs0, int accumulate, int64_t tb,
+                         int workers) {
     placement p;
     int status = make_placement(&p, cols, cdt, rows, rdt, delta, ddt, T, d_in, d_out, n, k, tb, 0);
     if (status == NA_OK) {
         matrix mg = {g, gs0, gs1, gdt};
-        igrad_ctx ctx = {&mg, &p, gx, gxdt, gxs0, NA_OK};
+        igrad_ctx ctx = {&mg, &p, gx, gxdt, gxs0, accumulate, NA_OK};
         int64_t blocks = (T + p.tb - 1) / p.tb;
         parallel_for(worker_count(workers, blocks, T * (d_in + n + n * k)), blocks, igrad_dot_blocks, &ctx);
         status = ctx.status;

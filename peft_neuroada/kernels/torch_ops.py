@@ -57,7 +57,12 @@ def sampled_grad(
 
 
 def bypass_forward(
-    x2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor, d_out: int
+    x2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_out: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_bounds(cols, rows, x2d.shape[1], d_out)
     n, k = cols.shape
@@ -67,10 +72,11 @@ def bypass_forward(
         tuned = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x2d.device)
         for j in range(k):
             tuned += x2d.index_select(1, cols[:, j]).float() * delta[:, j].float()
-    if rows is None:
+    if out is None and rows is None:
         return tuned.to(x2d.dtype)
-    out = torch.zeros(x2d.shape[0], d_out, dtype=x2d.dtype, device=x2d.device)
-    return out.index_copy_(1, rows.long(), tuned.to(x2d.dtype))  # index_copy_ takes int64 only
+    if out is None:
+        out = torch.zeros(x2d.shape[0], d_out, dtype=x2d.dtype, device=x2d.device)
+    return out.add_(tuned) if rows is None else out.index_add_(1, rows, tuned.to(out.dtype))
 
 
 def bypass_input_grad(
@@ -80,10 +86,11 @@ def bypass_input_grad(
     delta: torch.Tensor,
     d_in: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_bounds(cols, rows, d_in, grad2d.shape[1])
     tuned = _tuned_columns(grad2d, rows).float()
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=torch.float32, device=grad2d.device)
     for j in range(cols.shape[1]):
         grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].float())
-    return grad_x.to(dtype)
+    return grad_x.to(dtype) if out is None else out.add_(grad_x)

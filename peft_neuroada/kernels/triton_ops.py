@@ -67,7 +67,7 @@ def _sampled_grad_kernel(
 
 def _bypass_forward_kernel(
     x_ptr, cols_ptr, rows_ptr, delta_ptr, y_ptr, T, N, K, x_s0, x_s1, y_s0,
-    HAS_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ROWS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     neuron = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,7 +83,10 @@ def _bypass_forward_kernel(
         row = tl.load(rows_ptr + neuron, mask=n_mask, other=0).to(tl.int64)
     else:
         row = neuron.to(tl.int64)
-    tl.store(y_ptr + t[:, None] * y_s0 + row[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    y_ptrs = y_ptr + t[:, None] * y_s0 + row[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _bypass_input_grad_kernel(
@@ -147,19 +150,25 @@ def sampled_grad(
 
 
 def bypass_forward(
-    x2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor, d_out: int
+    x2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_out: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, k = cols.shape
     T = x2d.shape[0]
-    make = torch.empty if rows is None else torch.zeros
-    out = make(T, d_out, dtype=x2d.dtype, device=x2d.device)
-    if T == 0 or n == 0:
-        return out.zero_()
+    accumulate = out is not None
+    if out is None:
+        out = (torch.empty if rows is None else torch.zeros)(T, d_out, dtype=x2d.dtype, device=x2d.device)
+    if T == 0 or n * k == 0:
+        return out if accumulate else out.zero_()
     cols, delta = cols.contiguous(), delta.detach().contiguous()
     grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
     _kernels().bypass_forward[grid](
         x2d, cols, _rows_arg(rows, cols), delta, out, T, n, k, x2d.stride(0), x2d.stride(1), out.stride(0),
-        HAS_ROWS=rows is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
+        HAS_ROWS=rows is not None, ACCUMULATE=accumulate, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
     )  # fmt: skip
     return out
 
@@ -171,10 +180,12 @@ def bypass_input_grad(
     delta: torch.Tensor,
     d_in: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, k = cols.shape
     T = grad2d.shape[0]
-    grad_x = torch.zeros(T, d_in, dtype=torch.float32, device=grad2d.device)
+    direct = out is not None and out.dtype == torch.float32  # atomics straight into the caller's float32 buffer
+    grad_x = out if direct else torch.zeros(T, d_in, dtype=torch.float32, device=grad2d.device)
     if T > 0 and n * k > 0:
         cols, delta = cols.contiguous(), delta.detach().contiguous()
         grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
@@ -183,4 +194,6 @@ def bypass_input_grad(
             grad2d.stride(0), grad2d.stride(1), grad_x.stride(0),
             HAS_ROWS=rows is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
         )  # fmt: skip
-    return grad_x.to(dtype)
+    if direct:
+        return out
+    return grad_x.to(dtype) if out is None else out.add_(grad_x)
