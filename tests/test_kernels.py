@@ -180,6 +180,11 @@ def test_inconsistent_shapes_are_refused():
         kernels.sampled_grad(case.x[:3], case.grad, case.cols)
     with pytest.raises(ValueError, match="cols must be"):
         kernels.sampled_grad(case.x, case.grad, case.cols.float())
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.bypass_forward(case.x, case.cols, None, case.delta, 3, out=torch.zeros(4, 4))
+    square = Case(4, 5, 5, 2)
+    with pytest.raises(ValueError, match="shares memory"):
+        kernels.bypass_forward(square.x, square.cols, None, square.delta, 5, out=square.x)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

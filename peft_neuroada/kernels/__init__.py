@@ -9,13 +9,17 @@ For a layer with weight (d_out, d_in) and n tuned neurons, each with k trainable
 * `bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)`: its transpose, (T, d_in) in `dtype`; duplicated
   columns across neurons sum.
 
+The two bypass products take `out=`: the product is then added into that tensor in place (the base layer's output
+or input gradient), which saves the separate addition. A neuron's k columns must be distinct (as placements are):
+the torch fallback's sparse kernels assume it.
+
 Backends (`BACKENDS`): "cpu" (the compiled C kernels, `cpu.py`), "triton" (CUDA), "torch" (plain ops, the reference
 and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/performance.md ("Compiled kernels"):
 
 * while `torch.compile` traces: torch (the others are opaque calls it cannot trace);
 * CPU tensors of float32/bfloat16/float16: cpu, whenever the C kernels build here (no compiler: torch, logged once).
-  They beat the torch ops on every measured shape, k and token count, from decoding (T = 1) to training;
-* CUDA tensors with triton installed: triton, except the input gradient under
+  They beat or tie the torch ops on every measured shape, k and token count, from decoding (T = 1) to training;
+* CUDA tensors of those dtypes with triton installed: triton, except the input gradient under
   `torch.use_deterministic_algorithms` (triton's uses float32 atomics): torch;
 * anything else (float64, other devices): torch.
 
@@ -49,14 +53,20 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return found
 
 
+def _compiled_dtypes(values: tuple[torch.Tensor, ...]) -> bool:
+    """float32/bfloat16/float16: what the C and Triton kernels read. They compute in float32, so float64 goes to the
+    torch ops rather than losing precision."""
+    return all(t.dtype in cpu.DTYPE_CODES for t in values)
+
+
 def choose_backend(op: str, *values: torch.Tensor) -> str:
     """The backend `backend="auto"` uses for `op` on these value tensors (see the module docstring)."""
     device = values[0].device.type
     if torch.compiler.is_compiling():
         return "torch"
-    if device == "cpu" and cpu.supports(*values) and cpu.available():
+    if device == "cpu" and _compiled_dtypes(values) and cpu.available():
         return "cpu"
-    if device == "cuda" and triton_ops.available():
+    if device == "cuda" and _compiled_dtypes(values) and triton_ops.available():
         deterministic = op == "bypass_input_grad" and torch.are_deterministic_algorithms_enabled()
         return "torch" if deterministic else "triton"
     return "torch"
@@ -110,10 +120,16 @@ def sampled_grad(
     return _module("sampled_grad", backend, x2d, grad2d).sampled_grad(x2d, grad2d, cols, rows)
 
 
-def _check_out(op: str, out: torch.Tensor, shape: tuple[int, int], like: torch.Tensor) -> None:
+def _check_out(op: str, out: torch.Tensor, shape: tuple[int, int], *inputs: torch.Tensor) -> None:
+    """`out` must have the product's shape and device, and must not share memory with an input it would overwrite
+    while that input is still being read."""
+    like = inputs[0]
     if tuple(out.shape) != shape or out.device != like.device or not out.is_floating_point():
         raise ValueError(f"{op}: out must be a floating {shape} tensor on {like.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")  # fmt: skip
+    storage = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
+        raise ValueError(f"{op}: out shares memory with an input; pass a separate tensor")
 
 
 def bypass_forward(
@@ -131,10 +147,11 @@ def bypass_forward(
     With `out` (T, d_out), the product is added into it in place (untuned outputs untouched) and `out` returned:
     `bypass_forward(x, ..., out=base(x))` saves the separate addition (0.05 of a matmul at 576 -> 1536)."""
     _validate("bypass_forward", cols, rows, d_out, {"x2d": x2d, "delta": delta})
+    if out is not None:
+        _check_out("bypass_forward", out, (x2d.shape[0], d_out), x2d, delta)
     module = _module("bypass_forward", backend, x2d, delta, *([] if out is None else [out]))
     if out is None:
         return module.bypass_forward(x2d, cols, rows, delta, d_out)
-    _check_out("bypass_forward", out, (x2d.shape[0], d_out), x2d)
     if out.stride(1) != 1:  # the kernels add into rows of unit feature stride
         return out.add_(module.bypass_forward(x2d, cols, rows, delta, d_out))
     return module.bypass_forward(x2d, cols, rows, delta, d_out, out)
@@ -157,7 +174,7 @@ def bypass_input_grad(
     With `out` (T, d_in), the product is added into it in place and `out` returned (e.g. into `grad @ W`)."""
     _validate("bypass_input_grad", cols, rows, grad2d.shape[1], {"grad2d": grad2d, "delta": delta})
     if out is not None:
-        _check_out("bypass_input_grad", out, (grad2d.shape[0], d_in), grad2d)
+        _check_out("bypass_input_grad", out, (grad2d.shape[0], d_in), grad2d, delta)
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"bypass_input_grad: dtype {dtype} differs from out's {out.dtype}")
         dtype = out.dtype

@@ -151,11 +151,6 @@ def available() -> bool:
     return library() is not None
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these value tensors (float32/bfloat16/float16 on the CPU)."""
-    return all(t.device.type == "cpu" and t.dtype in DTYPE_CODES for t in tensors)
-
-
 def _matrix(t: torch.Tensor) -> list:
     return [t.data_ptr(), t.stride(0), t.stride(1), DTYPE_CODES[t.dtype]]
 
