@@ -8,9 +8,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
 
 import torch  # noqa: E402
-from test_kernels import Case, assert_matches, check_accumulation, check_all  # noqa: E402
-
-from peft_neuroada.kernels import triton_ops  # noqa: E402
+from test_kernels import Case, check_accumulation, check_all  # noqa: E402
 
 CASES = [
     Case(1, 7, 5, 1),
@@ -24,10 +22,10 @@ CASES = [
 def main() -> None:
     for case in CASES:
         check_all(case, "triton")
-    case = Case(40, 30, 20, 3, subset=True)
-    x_t = case.x.T.contiguous().T
-    assert_matches(triton_ops.sampled_grad(x_t, case.grad, case.cols, case.rows), case.sampled_grad(), torch.float32)
-    assert_matches(triton_ops.bypass_forward(x_t, case.cols, case.rows, case.delta, 20), case.forward(), torch.float32)
+    strided = Case(40, 30, 20, 3, subset=True)
+    strided.x = strided.x.T.contiguous().T
+    strided.grad = strided.grad.T.contiguous().T
+    check_all(strided, "triton")
     check_accumulation(Case(40, 30, 24, 5, subset=True, dtype=torch.bfloat16), "triton")
     check_accumulation(Case(20, 10, 12, 1), "triton")
     print(f"checked {len(CASES) + 3} cases")
