@@ -15,9 +15,9 @@ COLUMN_LOOP_MAX_K = 4
 
 
 def _check_bounds(cols: torch.Tensor, rows: torch.Tensor | None, d_in: int, d_out: int) -> None:
-    """Out-of-range indices raise IndexError, as in the C kernels. CPU only: on CUDA the check would synchronize
-    (the placements are checked when a layer is built)."""
-    if cols.device.type != "cpu":
+    """Out-of-range indices raise IndexError, as in the C kernels. Eager CPU only: on CUDA the check would
+    synchronize, and under torch.compile it would break the graph (placements are checked when a layer is built)."""
+    if cols.device.type != "cpu" or torch.compiler.is_compiling():
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
         if index is not None and index.numel() and (index.min() < 0 or index.max() >= limit):
