@@ -2,6 +2,7 @@
 
     python benchmarks/primitives.py                      # 512 tokens x (576 -> 1536), k = 1 and 20
     python benchmarks/primitives.py --tokens 256 --d-in 1536 --d-out 4096 --threads 2
+    python benchmarks/primitives.py --device cuda        # Triton and cuSPARSE candidates, wall clock
 
 Every candidate is checked against a plain reference before it is timed. Times are medians over repeated calls of
 both wall-clock and process CPU time; ratios are to the layer's dense forward matmul (`x @ W.T`), the unit a frozen
@@ -31,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from peft_neuroada import NeuroAdaConfig  # noqa: E402
+from peft_neuroada import NeuroAdaConfig, kernels  # noqa: E402
 
 
 @dataclass
@@ -45,15 +46,15 @@ class Layer:
     delta: torch.Tensor  # (d_out, k)
 
     @classmethod
-    def random(cls, tokens: int, d_in: int, d_out: int, k: int) -> Layer:
+    def random(cls, tokens: int, d_in: int, d_out: int, k: int, device: str = "cpu") -> Layer:
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(d_out, d_in, generator=generator) / d_in**0.5
         return cls(
-            x=torch.randn(tokens, d_in, generator=generator),
-            weight=weight,
-            grad_out=torch.randn(tokens, d_out, generator=generator),
-            cols=weight.abs().topk(k, dim=1).indices.sort(dim=1).values,
-            delta=torch.randn(d_out, k, generator=generator) * 0.01,
+            x=torch.randn(tokens, d_in, generator=generator).to(device),
+            weight=weight.to(device),
+            grad_out=torch.randn(tokens, d_out, generator=generator).to(device),
+            cols=weight.abs().topk(k, dim=1).indices.sort(dim=1).values.to(device),
+            delta=(torch.randn(d_out, k, generator=generator) * 0.01).to(device),
         )
 
     @property
@@ -61,12 +62,13 @@ class Layer:
         return self.cols.shape[1]
 
     def flat_positions(self) -> torch.Tensor:
-        return (torch.arange(self.weight.shape[0]).unsqueeze(1) * self.weight.shape[1] + self.cols).flatten()
+        rows = torch.arange(self.weight.shape[0], device=self.cols.device).unsqueeze(1)
+        return (rows * self.weight.shape[1] + self.cols).flatten()
 
     def csr(self, values: torch.Tensor) -> torch.Tensor:
         """The (d_out, d_in) CSR matrix with `values` (d_out, k) at the selected columns."""
         d_out, k = self.cols.shape
-        crow = torch.arange(0, d_out * k + 1, k)
+        crow = torch.arange(0, d_out * k + 1, k, device=self.cols.device)
         return torch.sparse_csr_tensor(crow, self.cols.flatten(), values.flatten(), self.weight.shape)
 
 
@@ -161,6 +163,52 @@ def fwd_reference(layer: Layer) -> torch.Tensor:
     return F.linear(layer.x, layer.weight + layer.csr(layer.delta).to_dense())
 
 
+# ------------------------------------------------- peft_neuroada.kernels: each backend the dispatcher chooses from
+
+
+def bypass_fwd_reference(layer: Layer) -> torch.Tensor:
+    return layer.x @ layer.csr(layer.delta).to_dense().T
+
+
+def bypass_input_reference(layer: Layer) -> torch.Tensor:
+    return layer.grad_out @ layer.csr(layer.delta).to_dense()
+
+
+def kernel_candidates(backend: str) -> dict[str, Callable[[Layer], torch.Tensor]]:
+    """One backend's three products, alone and as the non-mutating path uses them: the bypass added into the base
+    matmul's output in place (`out=`)."""
+
+    def grad(layer: Layer) -> torch.Tensor:
+        return kernels.sampled_grad(layer.x, layer.grad_out, layer.cols, backend=backend)
+
+    def bypass(layer: Layer) -> torch.Tensor:
+        return kernels.bypass_forward(layer.x, layer.cols, None, layer.delta, layer.weight.shape[0], backend=backend)
+
+    def bypass_input(layer: Layer) -> torch.Tensor:
+        return kernels.bypass_input_grad(
+            layer.grad_out, layer.cols, None, layer.delta, layer.weight.shape[1], backend=backend
+        )
+
+    def base_plus_bypass(layer: Layer) -> torch.Tensor:
+        base = F.linear(layer.x, layer.weight)
+        return kernels.bypass_forward(layer.x, layer.cols, None, layer.delta, base.shape[1], out=base, backend=backend)
+
+    def input_base_plus_bypass(layer: Layer) -> torch.Tensor:
+        base = layer.grad_out @ layer.weight
+        d_in = base.shape[1]
+        return kernels.bypass_input_grad(
+            layer.grad_out, layer.cols, None, layer.delta, d_in, out=base, backend=backend
+        )
+
+    return {
+        "delta grad": grad,
+        "bypass fwd": bypass,
+        "bypass input grad": bypass_input,
+        "forward": base_plus_bypass,
+        "input grad": input_base_plus_bypass,
+    }
+
+
 # ---------------------------------------------------------------- whole layer, public API: fwd + bwd with input grads
 
 
@@ -193,18 +241,21 @@ def layer_modules(layer: Layer) -> dict[str, nn.Module]:
         f"neuroada k={layer.k}": NeuroAdaConfig(k=layer.k, target_modules=["proj"]),
         f"lora r={rank}": LoraConfig(r=rank, target_modules=["proj"]),
     }
-    adapted = {name: get_peft_model(_OneLayer(layer.weight), config) for name, config in configs.items()}
-    return {"frozen nn.Linear": _OneLayer(layer.weight), **adapted}
+    device = layer.weight.device
+    adapted = {name: get_peft_model(_OneLayer(layer.weight), config).to(device) for name, config in configs.items()}
+    return {"frozen nn.Linear": _OneLayer(layer.weight).to(device), **adapted}
 
 
 CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Layer], torch.Tensor]]]] = {
-    # group: (reference, candidates)
+    # group: (reference, candidates); the kernels' candidates join these groups in `layer_calls`
     "forward": (fwd_reference, [fwd_base, fwd_inplace_merge, fwd_csr_mm, fwd_gather, fwd_scatter_add]),
+    "bypass fwd": (bypass_fwd_reference, []),
     "delta grad": (
         grad_dense_gather,
         [grad_dense_gather, grad_column_loop, grad_sampled_addmm, grad_row_gather_bmm, grad_vectorized_gather],
     ),
     "input grad": (bwd_input_reference, [bwd_input_base, bwd_input_inplace_merge]),
+    "bypass input grad": (bypass_input_reference, []),
 }
 
 
@@ -240,15 +291,25 @@ def layer_calls(layer: Layer) -> dict[tuple[str, str], Callable[[], object]]:
         for fn in candidates:
             check(layer, reference, fn)
             calls[group, fn.__name__.split("_", 1)[1]] = lambda fn=fn: fn(layer)
+    for backend in kernels.available_backends(layer.x.device):
+        for group, fn in kernel_candidates(backend).items():
+            check(layer, CANDIDATES[group][0], fn)
+            prefix = "base + " if group in ("forward", "input grad") else ""
+            calls[group, f"{prefix}kernels[{backend}]"] = lambda fn=fn: fn(layer)
     for name, module in layer_modules(layer).items():
         calls["layer fwd+bwd", name] = lambda module=module: layer_step(module, layer)
-    return calls
+    if layer.x.is_cuda:  # time the kernels, not their launches
+        calls = {key: lambda fn=fn: (fn(), torch.cuda.synchronize()) for key, fn in calls.items()}
+    order = [*CANDIDATES, "layer fwd+bwd"]
+    return dict(sorted(calls.items(), key=lambda item: order.index(item[0][0])))
 
 
-def run(tokens: int, d_in: int, d_out: int, ks: list[int], repeats: int, clock: str) -> list[list[str]]:
+def run(
+    tokens: int, d_in: int, d_out: int, ks: list[int], repeats: int, clock: str, device: str = "cpu"
+) -> list[list[str]]:
     rows = []
     for k in ks:
-        times = interleaved_medians(layer_calls(Layer.random(tokens, d_in, d_out, k)), repeats)
+        times = interleaved_medians(layer_calls(Layer.random(tokens, d_in, d_out, k, device)), repeats)
         unit = times["forward", "base"][clock == "cpu"]
         for (group, name), (wall, cpu) in times.items():
             chosen = cpu if clock == "cpu" else wall
@@ -264,15 +325,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[1, 20])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="1 keeps CPU-time figures honest on a shared machine.")
-    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="Time the ratio column uses.")
+    parser.add_argument("--clock", choices=["cpu", "wall"], help="Time the ratio column uses (cpu; wall on cuda).")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (Triton and cuSPARSE candidates).")
     args = parser.parse_args()
+    clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
     torch.set_num_threads(args.threads)
-    rows = run(args.tokens, args.d_in, args.d_out, args.k, args.repeats, args.clock)
+    rows = run(args.tokens, args.d_in, args.d_out, args.k, args.repeats, clock, args.device)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"threads={args.threads}"
     print(
-        f"{args.tokens} tokens x ({args.d_in} -> {args.d_out}), float32, threads={args.threads}, "
-        f"torch {torch.__version__}\n"
+        f"{args.tokens} tokens x ({args.d_in} -> {args.d_out}), float32, {args.device} {where}, "
+        f"kernels {kernels.available_backends(args.device)}, torch {torch.__version__}\n"
     )
-    header = ["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({args.clock})"]
+    header = ["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({clock})"]
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
     for row in rows:

@@ -1,0 +1,246 @@
+"""The C kernels of `neuroada_cpu.c`: built on first use with the system C compiler, cached, called through ctypes.
+
+Why plain C and ctypes rather than a torch C++ extension: the kernels need no torch headers, so a build takes about a
+second instead of a minute (the test suite builds them afresh on every clean CI machine), and ctypes releases the
+GIL for the duration of each call. The library is compiled with `-march=native` for the machine it runs on, so the
+cache key covers the source, the compiler and the CPU's feature flags: a cache shared between machines (a network
+home directory) never hands a binary to a CPU it was not built for.
+
+No compiler, a failed build or a library that does not load is not an error: `library()` returns None (logged once)
+and the dispatcher uses the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("neuroada_cpu.c")
+FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
+# Tried first; compilers that do not know it (some Apple clang versions) build the portable library instead.
+NATIVE_FLAGS = ("-march=native",)
+# Tokens per packed block: x^T of a block (d_in x 80 floats) stays in L2 for every SmolLM2 and 0.55B shape; 32 and
+# 128 measured within a few percent of it on all of them (docs/performance.md, "Compiled kernels").
+TOKEN_BLOCK = 64
+# The forward gathers each neuron's inputs straight from the token's row (no transposes) at k = 1: 0.5-0.8x the
+# time of the transposed layout there; from k = 2 on the transposed layout wins.
+FORWARD_GATHER_MAX_K = 1
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+INDEX_DTYPES = (torch.int32, torch.int64)
+_STATUS = {
+    1: "cols has an index outside [0, d_in)",
+    2: "out of memory",
+    3: "invalid sizes",
+    4: "rows has an index outside [0, d_out)",
+}
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str | None, str | None], ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    """`$PEFT_NEUROADA_CACHE/kernels`, else `~/.cache/peft_neuroada/kernels` (the default model's cache root)."""
+    root = os.environ.get("PEFT_NEUROADA_CACHE", Path.home() / ".cache" / "peft_neuroada")
+    return Path(root) / "kernels"
+
+
+def compiler() -> str | None:
+    """`$CC` if set (and found), else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("flags", "features", "model name", "cpu part", "isa")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip().lower() in wanted}))
+
+
+def _library_path(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS + NATIVE_FLAGS), _cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / f"neuroada_cpu-{key}.so"
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile into a temporary file beside the target and rename it: concurrent builds never see a partial file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            command = [cc, *FLAGS, str(SOURCE), "-o", temporary]
+            subprocess.run([*command, *NATIVE_FLAGS], check=True, capture_output=True, timeout=300)
+        except subprocess.CalledProcessError:
+            subprocess.run(command, check=True, capture_output=True, timeout=300)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    matrix = [p, i64, i64, i]  # data, token stride, feature stride, dtype
+    placement = [p, i, p, i]  # cols, index dtype, rows, index dtype
+    sizes = [i64] * 5  # T, d_in, d_out, n, k
+    lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
+    lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
+    lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
+    for fn in (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad, lib.na_vector_width):
+        fn.restype = ctypes.c_int
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None (logged once) when that is not possible here.
+
+    Looked up per call by the two settings that choose the library (a dict lookup: finding the compiler on PATH
+    costs about 0.1 ms)."""
+    key = (os.environ.get("CC"), os.environ.get("PEFT_NEUROADA_CACHE"))
+    if key in _loaded:
+        return _loaded[key]
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _load(compiler())
+        return _loaded[key]
+
+
+def _load(cc: str | None) -> ctypes.CDLL | None:
+    if cc is None:
+        logger.warning("peft-neuroada: no C compiler found (set CC); using the slower torch ops for sparse products")
+        return None
+    try:
+        path = _library_path(cc)
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        return lib
+    except (OSError, subprocess.SubprocessError, AttributeError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        logger.warning(
+            "peft-neuroada: could not build the C kernels with %s (%s %s); using the slower torch ops",
+            cc,
+            error,
+            detail.decode(errors="replace")[-2000:],
+        )
+        return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _matrix(t: torch.Tensor) -> list:
+    return [t.data_ptr(), t.stride(0), t.stride(1), DTYPE_CODES[t.dtype]]
+
+
+def _placement(cols: torch.Tensor, rows: torch.Tensor | None) -> tuple[list, torch.Tensor, torch.Tensor | None]:
+    cols = cols.contiguous()
+    rows = None if rows is None else rows.contiguous()
+    args = [cols.data_ptr(), int(cols.dtype == torch.int64)]
+    args += [None, 0] if rows is None else [rows.data_ptr(), int(rows.dtype == torch.int64)]
+    return args, cols, rows  # the contiguous copies stay referenced until the call returns
+
+
+def _check(status: int) -> None:
+    if status:
+        error = IndexError if status in (1, 4) else RuntimeError
+        raise error(f"NeuroAda sparse product (C kernel): {_STATUS.get(status, status)}")
+
+
+def _required() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the NeuroAda C kernels are not available on this machine (no working C compiler)")
+    return lib
+
+
+def sampled_grad(
+    x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None
+) -> torch.Tensor:
+    lib = _required()
+    n, k = cols.shape
+    if n * k == 0 or x2d.shape[0] == 0:
+        return torch.zeros(n, k, dtype=torch.float32)
+    out = torch.empty(n, k, dtype=torch.float32)
+    place, cols, rows = _placement(cols, rows)
+    sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
+    status = lib.na_sampled_grad(
+        *_matrix(x2d), *_matrix(grad2d), *place, *sizes, out.data_ptr(), TOKEN_BLOCK, torch.get_num_threads()
+    )
+    _check(status)
+    return out
+
+
+def bypass_forward(
+    x2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_out: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    lib = _required()
+    n, k = cols.shape
+    if n * k == 0 or x2d.shape[0] == 0:
+        return x2d.new_zeros(x2d.shape[0], d_out) if out is None else out
+    accumulate = out is not None
+    out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
+    place, cols, rows = _placement(cols, rows)
+    delta = delta.detach().contiguous()
+    layout = int(k <= FORWARD_GATHER_MAX_K)
+    sizes = [x2d.shape[0], x2d.shape[1], d_out, n, k]
+    status = lib.na_bypass_forward(
+        *_matrix(x2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
+        out.data_ptr(), DTYPE_CODES[out.dtype], out.stride(0), accumulate, layout, TOKEN_BLOCK,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status)
+    return out
+
+
+def bypass_input_grad(
+    grad2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    d_in: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    lib = _required()
+    n, k = cols.shape
+    if n * k == 0 or grad2d.shape[0] == 0:
+        return grad2d.new_zeros(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
+    accumulate = out is not None
+    out = torch.empty(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
+    place, cols, rows = _placement(cols, rows)
+    delta = delta.detach().contiguous()
+    sizes = [grad2d.shape[0], d_in, grad2d.shape[1], n, k]
+    status = lib.na_bypass_input_grad(
+        *_matrix(grad2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
+        out.data_ptr(), DTYPE_CODES[out.dtype], out.stride(0), accumulate, TOKEN_BLOCK, torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status)
+    return out

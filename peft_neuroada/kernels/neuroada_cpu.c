@@ -1,0 +1,717 @@
+/* CPU kernels for NeuroAda's three sparse products (see cpu.py for the Python side and the layouts).
+ *
+ * Plain C99 + GCC/Clang vector extensions (no torch headers: builds in about a second), compiled on first use with
+ * -O3 -march=native and loaded through ctypes, which releases the GIL during each call. Every call allocates its own
+ * scratch and threads, so concurrent calls from several Python threads are independent.
+ *
+ * Shapes: x (T, d_in), g (T, d_out), any strides; cols (n, k) and rows (n,) int32 or int64, contiguous; rows NULL
+ * means rows = arange(n) with n = d_out. Element types: 0 float32, 1 bfloat16, 2 float16. Every index is checked
+ * before anything is written: a bad one returns NA_BAD_COLUMN or NA_BAD_ROW and leaves the outputs untouched.
+ *
+ * Layouts. Tokens are walked in blocks of `tb` (a multiple of the vector width), packed into float32 scratch with 8 x 8
+ * register transposes (and converted from bfloat16/float16 on the way):
+ *  - delta gradient: x^T and g^T of the block (feature-major, token-minor); every neuron's gradient row is read once
+ *    for its k columns: k dot products of length tb over rows of x^T that stay in L2, four columns at a time.
+ *  - forward: x^T of the block; each neuron accumulates its k scaled input rows into a row of y^T, which is
+ *    transposed out into y. At k = 1 the "gather" layout is faster: per token, vectors over 16 (AVX-512) or 8
+ *    neurons gather their inputs from the token's row of x held in L1, with no transposes.
+ *  - input gradient: the transpose of the forward: g^T of the block, each neuron adds its scaled gradient row into
+ *    the k rows of a zeroed gx^T block (duplicated columns sum), which is transposed out into gx.
+ * Threads split the token blocks; the delta gradient adds per-thread partial sums at the end.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define NA_OK 0
+#define NA_BAD_COLUMN 1
+#define NA_NO_MEMORY 2
+#define NA_BAD_ARGUMENT 3
+#define NA_BAD_ROW 4
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int32_t viu __attribute__((vector_size(VW * 4), aligned(4)));
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+int na_vector_width(void) { return VW; }
+/* Leading dimension of a packed feature-major block: one vector more than the block, so that its rows do not all map
+ * to the same cache sets (a power-of-two stride made tb = 256 blocks 3-6x slower). */
+#define LD(tb) ((tb) + VW)
+/* Vectors per full token block: the block the kernels are unrolled for (cpu.py passes tb = 64). */
+#define FULL_VECS (64 / VW)
+
+/* ------------------------------------------------------------------------------------------- element conversion */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet: as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, absu = u & 0x7fffffffu;
+    if (absu > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+    if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to infinity */
+    if (absu < 0x38800000u) {                                   /* subnormal or zero in half precision */
+        float a;
+        memcpy(&a, &absu, 4);
+        return (uint16_t)(sign | (uint16_t)__builtin_lrintf(a * 16777216.0f));
+    }
+    uint32_t r = absu + 0x0fffu + ((absu >> 13) & 1u) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+#endif
+}
+
+static inline float load_elem(const void *base, int64_t offset, int dtype) {
+    if (dtype == F32) return ((const float *)base)[offset];
+    uint16_t h = ((const uint16_t *)base)[offset];
+    return dtype == BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+static inline void store_elem(void *base, int64_t offset, int dtype, float v) {
+    if (dtype == F32)
+        ((float *)base)[offset] = v;
+    else
+        ((uint16_t *)base)[offset] = dtype == BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
+
+/* ---------------------------------------------------------------------------------------------------- operands */
+
+typedef struct {
+    const void *data;
+    int64_t s0, s1; /* element strides along tokens and features */
+    int dtype;
+} matrix;
+
+typedef struct {
+    int64_t T, d_in, d_out, n, k, tb;
+    int32_t *cols;    /* (n, k), validated */
+    int32_t *rows;    /* (n,), validated; NULL means arange */
+    float *delta;     /* (n, k) float32, or NULL */
+    int32_t *cols_t;  /* (k, n) for the gather layout, or NULL */
+    float *delta_t;   /* (k, n) for the gather layout, or NULL */
+} placement;
+
+static void *aligned_buffer(int64_t floats) {
+    size_t bytes = ((size_t)(floats > 0 ? floats : 1) * 4 + 63) / 64 * 64;
+    return aligned_alloc(64, bytes);
+}
+
+/* Copy an index array into int32; whether every index lies in [0, limit). */
+static int indices_in_range(const void *src, int itype, int64_t count, int64_t limit, int32_t *dst) {
+    int bad = 0;
+    if (itype == 0) {
+        const int32_t *s = (const int32_t *)src;
+        for (int64_t e = 0; e < count; e++) {
+            bad |= (s[e] < 0) | ((int64_t)s[e] >= limit);
+            dst[e] = s[e];
+        }
+    } else {
+        const int64_t *s = (const int64_t *)src;
+        for (int64_t e = 0; e < count; e++) {
+            bad |= (s[e] < 0) | (s[e] >= limit);
+            dst[e] = (int32_t)s[e];
+        }
+    }
+    return !bad;
+}
+
+static void free_placement(placement *p) {
+    free(p->cols);
+    free(p->rows);
+    free(p->delta);
+    free(p->cols_t);
+    free(p->delta_t);
+}
+
+static int make_placement(placement *p, const void *cols, int cdt, const void *rows, int rdt, const void *delta,
+                          int ddt, int64_t T, int64_t d_in, int64_t d_out, int64_t n, int64_t k, int64_t tb,
+                          int transposed) {
+    memset(p, 0, sizeof(*p));
+    if (T < 0 || d_in < 0 || d_out < 0 || n < 0 || k < 0 || tb <= 0 || tb % VW || tb > FULL_VECS * VW ||
+        (rows == NULL && n != d_out))
+        return NA_BAD_ARGUMENT;
+    if (T < tb) tb = T > 0 ? (T + VW - 1) / VW * VW : VW; /* short inputs (decoding) get small scratch blocks */
+    p->T = T, p->d_in = d_in, p->d_out = d_out, p->n = n, p->k = k, p->tb = tb;
+    p->cols = aligned_buffer(n * k);
+    if (!p->cols) return NA_NO_MEMORY;
+    int status = indices_in_range(cols, cdt, n * k, d_in, p->cols) ? NA_OK : NA_BAD_COLUMN;
+    if (status == NA_OK && rows) {
+        p->rows = aligned_buffer(n);
+        status = !p->rows ? NA_NO_MEMORY : indices_in_range(rows, rdt, n, d_out, p->rows) ? NA_OK : NA_BAD_ROW;
+    }
+    if (status == NA_OK && delta) {
+        p->delta = aligned_buffer(n * k);
+        if (!p->delta) return NA_NO_MEMORY;
+        for (int64_t e = 0; e < n * k; e++) p->delta[e] = load_elem(delta, e, ddt);
+    }
+    if (status == NA_OK && transposed) { /* (k, n) copies, padded to whole vectors of neurons */
+        int64_t np = (n + VW - 1) / VW * VW;
+        p->cols_t = aligned_buffer(k * np);
+        p->delta_t = aligned_buffer(k * np);
+        if (!p->cols_t || !p->delta_t) return NA_NO_MEMORY;
+        for (int64_t j = 0; j < k; j++)
+            for (int64_t i = 0; i < np; i++) {
+                p->cols_t[j * np + i] = i < n ? p->cols[i * k + j] : 0;
+                p->delta_t[j * np + i] = i < n && p->delta ? p->delta[i * k + j] : 0.0f;
+            }
+    }
+    return status;
+}
+
+/* -------------------------------------------------------------------------------------------------- threading */
+
+typedef void (*block_fn)(void *ctx, int64_t begin, int64_t end, int worker);
+
+typedef struct {
+    block_fn fn;
+    void *ctx;
+    int64_t begin, end;
+    int worker;
+} task;
+
+static void *run_task(void *arg) {
+    task *t = (task *)arg;
+    t->fn(t->ctx, t->begin, t->end, t->worker);
+    return NULL;
+}
+
+/* Split [0, items) into `workers` contiguous ranges; the calling thread runs the first. Returns the workers used. */
+static int parallel_for(int workers, int64_t items, block_fn fn, void *ctx) {
+    if (workers > items) workers = (int)items;
+    if (workers < 1) workers = 1;
+    task tasks[64];
+    pthread_t threads[64];
+    int started[64] = {0};
+    if (workers > 64) workers = 64;
+    for (int w = 0; w < workers; w++) {
+        tasks[w] = (task){fn, ctx, items * w / workers, items * (w + 1) / workers, w};
+        if (w > 0) started[w] = pthread_create(&threads[w], NULL, run_task, &tasks[w]) == 0;
+    }
+    run_task(&tasks[0]);
+    for (int w = 1; w < workers; w++) {
+        if (started[w])
+            pthread_join(threads[w], NULL);
+        else
+            run_task(&tasks[w]); /* no thread available: do its share here */
+    }
+    return workers;
+}
+
+/* Threads worth starting: at most one per token block, and one per MIN_WORK multiply-adds and element moves (a thread
+ * start costs tens of microseconds; decoding a token or two stays on the calling thread). */
+#define MIN_WORK (1 << 18)
+static int worker_count(int requested, int64_t blocks, int64_t work) {
+    int64_t limit = work / MIN_WORK + 1;
+    if (limit > blocks) limit = blocks;
+    if (requested > limit) requested = (int)limit;
+    return requested < 1 ? 1 : requested;
+}
+
+/* ------------------------------------------------------------------------------------------------ packing */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v8hu __attribute__((vector_size(16), aligned(2)));
+
+/* Eight contiguous elements as float32. */
+static inline v8f load8(const void *base, int64_t offset, int dtype) {
+    if (dtype == F32) return *(const v8fu *)((const float *)base + offset);
+    v8h h = *(const v8hu *)((const uint16_t *)base + offset);
+    if (dtype == BF16) return (v8f)(__builtin_convertvector(h, v8u) << 16);
+#if defined(__F16C__)
+    return (v8f)_mm256_cvtph_ps((__m128i)h);
+#else
+    v8f r;
+    for (int l = 0; l < 8; l++) r[l] = f16_to_f32(h[l]);
+    return r;
+#endif
+}
+
+static inline void store8(void *base, int64_t offset, int dtype, v8f v) {
+    if (dtype == F32) {
+        *(v8fu *)((float *)base + offset) = v;
+        return;
+    }
+    v8h h;
+    if (dtype == BF16) {
+        v8u u = (v8u)v;
+        v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+        v8u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        h = __builtin_convertvector((rounded & ~nan) | (((u >> 16) | 0x40u) & nan), v8h);
+    } else {
+#if defined(__F16C__)
+        h = (v8h)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+        for (int l = 0; l < 8; l++) h[l] = f32_to_f16(v[l]);
+#endif
+    }
+    *(v8hu *)((uint16_t *)base + offset) = h;
+}
+
+/* In-register transpose of an 8 x 8 tile (unpack, shuffle, swap 128-bit halves). */
+static inline void transpose8(v8f r[8]) {
+    v8f t[8], u[8];
+    for (int q = 0; q < 8; q += 2) {
+        t[q] = __builtin_shufflevector(r[q], r[q + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[q + 1] = __builtin_shufflevector(r[q], r[q + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int q = 0; q < 8; q += 4) {
+        u[q] = __builtin_shufflevector(t[q], t[q + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[q + 1] = __builtin_shufflevector(t[q], t[q + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[q + 2] = __builtin_shufflevector(t[q + 1], t[q + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[q + 3] = __builtin_shufflevector(t[q + 1], t[q + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int q = 0; q < 4; q++) {
+        r[q] = __builtin_shufflevector(u[q], u[q + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[q + 4] = __builtin_shufflevector(u[q], u[q + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+/* dst[f * ld + t] = src[t0 + t, feature(f)] for t < len, zero for len <= t < round_up(len, VW): feature-major.
+ * Row-major sources go through 8 x 8 register transposes; feature-major ones (x.T views) are row copies. */
+static void pack_transposed(const matrix *src, int64_t t0, int64_t len, int64_t features, const int32_t *feature_map,
+                            float *dst, int64_t ld) {
+    int64_t padded = (len + VW - 1) / VW * VW, f_tiles = 0, t_tiles = 0;
+    if (src->s1 == 1 && !feature_map) {
+        /* 64 features (four cache lines of each source row) at a time, read row after row, so every source line is
+         * used whole once and the 64 destination rows being filled stay in L1 */
+        f_tiles = features / 8 * 8, t_tiles = len / 8 * 8;
+        for (int64_t f0 = 0; f0 < f_tiles; f0 += 64) {
+            int64_t f1 = f0 + 64 < f_tiles ? f0 + 64 : f_tiles;
+            for (int64_t t = 0; t < t_tiles; t += 8)
+                for (int64_t f = f0; f < f1; f += 8) {
+                    v8f r[8];
+                    for (int q = 0; q < 8; q++) r[q] = load8(src->data, (t0 + t + q) * src->s0 + f, src->dtype);
+                    transpose8(r);
+                    for (int q = 0; q < 8; q++) *(v8fu *)(dst + (f + q) * ld + t) = r[q];
+                }
+        }
+    } else if (src->s0 == 1 && !feature_map) {
+        f_tiles = features, t_tiles = len / 8 * 8;
+        for (int64_t f = 0; f < features; f++)
+            for (int64_t t = 0; t < t_tiles; t += 8)
+                *(v8fu *)(dst + f * ld + t) = load8(src->data, t0 + t + f * src->s1, src->dtype);
+    }
+    /* the rest (edges, feature maps, other strides) element by element, a block of features at a time */
+    const int64_t FB = 64;
+    for (int64_t f0 = 0; f0 < features; f0 += FB) {
+        int64_t f1 = f0 + FB < features ? f0 + FB : features;
+        for (int64_t t = 0; t < len; t++) {
+            int64_t row = (t0 + t) * src->s0;
+            for (int64_t f = t < t_tiles ? (f0 > f_tiles ? f0 : f_tiles) : f0; f < f1; f++)
+                dst[f * ld + t] = load_elem(src->data, row + (feature_map ? feature_map[f] : f) * src->s1, src->dtype);
+        }
+        for (int64_t f = f0; f < f1; f++)
+            for (int64_t t = len; t < padded; t++) dst[f * ld + t] = 0.0f;
+    }
+}
+
+/* dst[t0 + t, feature(f)] = src[f * ld + t] for t < len (dst row-major with unit feature stride): the inverse.
+ * With `accumulate`, added to what dst holds (in float32, rounded once). */
+static void unpack_transposed(const float *src, int64_t ld, int64_t t0, int64_t len, int64_t features,
+                              const int32_t *feature_map, void *dst, int64_t ds0, int dtype, int accumulate) {
+    int64_t f_tiles = 0, t_tiles = 0;
+    if (!feature_map) {
+        f_tiles = features / 8 * 8, t_tiles = len / 8 * 8;
+        for (int64_t t = 0; t < t_tiles; t += 8)
+            for (int64_t f = 0; f < f_tiles; f += 8) {
+                v8f r[8];
+                for (int q = 0; q < 8; q++) r[q] = *(const v8fu *)(src + (f + q) * ld + t);
+                transpose8(r);
+                for (int q = 0; q < 8; q++) {
+                    int64_t offset = (t0 + t + q) * ds0 + f;
+                    store8(dst, offset, dtype, accumulate ? r[q] + load8(dst, offset, dtype) : r[q]);
+                }
+            }
+    }
+    const int64_t FB = 64;
+    for (int64_t f0 = 0; f0 < features; f0 += FB) {
+        int64_t f1 = f0 + FB < features ? f0 + FB : features;
+        for (int64_t t = 0; t < len; t++) {
+            int64_t row = (t0 + t) * ds0;
+            for (int64_t f = t < t_tiles ? (f0 > f_tiles ? f0 : f_tiles) : f0; f < f1; f++) {
+                int64_t offset = row + (feature_map ? feature_map[f] : f);
+                store_elem(dst, offset, dtype, src[f * ld + t] + (accumulate ? load_elem(dst, offset, dtype) : 0.0f));
+            }
+        }
+    }
+}
+
+/* dst[t * width + f] = src[t0 + t, feature(f)] (token-major float32 rows), zero for n <= f < width. */
+static void pack_rows(const matrix *src, int64_t t0, int64_t len, int64_t features, const int32_t *feature_map,
+                      float *dst, int64_t width) {
+    for (int64_t t = 0; t < len; t++) {
+        int64_t row = (t0 + t) * src->s0;
+        float *d = dst + t * width;
+        if (src->dtype == F32 && src->s1 == 1 && !feature_map) {
+            memcpy(d, (const float *)src->data + row, (size_t)features * 4);
+        } else {
+            for (int64_t f = 0; f < features; f++)
+                d[f] = load_elem(src->data, row + (feature_map ? feature_map[f] : f) * src->s1, src->dtype);
+        }
+        for (int64_t f = features; f < width; f++) d[f] = 0.0f;
+    }
+}
+
+static inline float hsum(vf v) {
+#if VW == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12,
+                                                                                             13, 14, 15);
+#elif VW == 8
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 a = v;
+#endif
+#if VW >= 8
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#else
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 b = v;
+#endif
+    b = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+    return b[0] + b[1];
+}
+
+static inline vf gather(const float *base, vi idx) {
+#if VW == 16
+    return (vf)_mm512_i32gather_ps((__m512i)idx, base, 4);
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_i32gather_ps(base, (__m256i)idx, 4);
+#else
+    vf r;
+    for (int l = 0; l < VW; l++) r[l] = base[idx[l]];
+    return r;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------- delta gradient (SDDMM) */
+
+typedef struct {
+    const matrix *x, *g;
+    const placement *p;
+    float *out;     /* (n, k), written by worker 0 */
+    float *partial; /* (workers - 1, n, k) for the other workers */
+    int status;
+} grad_ctx;
+
+/* One neuron's k dot products over a block: its gradient row (nv vectors) is loaded once and kept in registers while
+ * the x^T rows of four columns at a time stream past. Inlined with nv a constant for full blocks (fully unrolled). */
+static inline __attribute__((always_inline)) void grad_neuron(const vf *restrict gi, const float *restrict xt,
+                                                              int64_t ld, const int32_t *restrict ci,
+                                                              float *restrict oi, int64_t k, int64_t nv) {
+    vf g[FULL_VECS];
+    for (int64_t v = 0; v < nv; v++) g[v] = gi[v];
+    int64_t j = 0;
+    for (; j + 4 <= k; j += 4) {
+        const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld), *x1 = (const vf *)(xt + (int64_t)ci[j + 1] * ld),
+                 *x2 = (const vf *)(xt + (int64_t)ci[j + 2] * ld), *x3 = (const vf *)(xt + (int64_t)ci[j + 3] * ld);
+        vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t v = 0; v < nv; v++) a0 += g[v] * x0[v], a1 += g[v] * x1[v], a2 += g[v] * x2[v], a3 += g[v] * x3[v];
+        oi[j] += hsum(a0), oi[j + 1] += hsum(a1), oi[j + 2] += hsum(a2), oi[j + 3] += hsum(a3);
+    }
+    for (; j < k; j++) {
+        const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld);
+        vf a0 = {0};
+        for (int64_t v = 0; v < nv; v++) a0 += g[v] * x0[v];
+        oi[j] += hsum(a0);
+    }
+}
+
+static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+    grad_ctx *c = (grad_ctx *)arg;
+    const placement *p = c->p;
+    int64_t tb = p->tb, ld = LD(tb), n = p->n, k = p->k;
+    float *out = worker == 0 ? c->out : c->partial + (worker - 1) * n * k;
+    float *xt = aligned_buffer(p->d_in * ld), *gt = aligned_buffer(n * ld);
+    if (!xt || !gt) {
+        c->status = NA_NO_MEMORY;
+        free(xt), free(gt);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
+        pack_transposed(c->x, t0, len, p->d_in, NULL, xt, ld);
+        pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
+        for (int64_t i = 0; i < n; i++) {
+            const vf *gi = (const vf *)(gt + i * ld);
+            if (nv == FULL_VECS)
+                grad_neuron(gi, xt, ld, p->cols + i * k, out + i * k, k, FULL_VECS);
+            else
+                grad_neuron(gi, xt, ld, p->cols + i * k, out + i * k, k, nv);
+        }
+    }
+    free(xt), free(gt);
+}
+
+int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void *g, int64_t gs0, int64_t gs1,
+                    int gdt, const void *cols, int cdt, const void *rows, int rdt, int64_t T, int64_t d_in,
+                    int64_t d_out, int64_t n, int64_t k, float *out, int64_t tb, int workers) {
+    placement p;
+    int status = make_placement(&p, cols, cdt, rows, rdt, NULL, 0, T, d_in, d_out, n, k, tb, 0);
+    if (status != NA_OK || n * k == 0) {
+        free_placement(&p);
+        return status;
+    }
+    matrix mx = {x, xs0, xs1, xdt}, mg = {g, gs0, gs1, gdt};
+    int64_t blocks = (T + p.tb - 1) / p.tb, size = n * k;
+    workers = worker_count(workers, blocks, T * (d_in + n + n * k));
+    float *partial = workers > 1 ? aligned_buffer((workers - 1) * size) : NULL;
+    if (workers > 1 && !partial) {
+        free_placement(&p);
+        return NA_NO_MEMORY;
+    }
+    memset(out, 0, (size_t)size * 4);
+    if (partial) memset(partial, 0, (size_t)(workers - 1) * size * 4);
+    grad_ctx ctx = {&mx, &mg, &p, out, partial, NA_OK};
+    parallel_for(workers, blocks, grad_dot_blocks, &ctx);
+    for (int w = 1; w < workers; w++)
+        for (int64_t e = 0; e < size; e++) out[e] += partial[(w - 1) * size + e];
+    free(partial), free_placement(&p);
+    return ctx.status;
+}
+
+/* ----------------------------------------------------------------------------------------- bypass forward (SpMM) */
+
+typedef struct {
+    const matrix *x;
+    const placement *p;
+    void *y;
+    int ydt;
+    int64_t ys0; /* y is (T, d_out) with unit feature stride */
+    int accumulate; /* add into y (untuned outputs untouched) rather than overwrite it (untuned outputs zeroed) */
+    int status;
+} fwd_ctx;
+
+static void store_token_columns(fwd_ctx *c, const float *yt_rows, int64_t t0, int64_t len, int64_t ld) {
+    /* yt_rows: (n, ld) feature-major; into y rows t0..t0+len at the tuned columns, zero elsewhere. */
+    const placement *p = c->p;
+    if (p->rows && !c->accumulate)
+        for (int64_t t = 0; t < len; t++)
+            memset((char *)c->y + (t0 + t) * c->ys0 * (c->ydt == F32 ? 4 : 2), 0,
+                   (size_t)p->d_out * (c->ydt == F32 ? 4 : 2));
+    unpack_transposed(yt_rows, ld, t0, len, p->n, p->rows, c->y, c->ys0, c->ydt, c->accumulate);
+}
+
+/* One neuron's output over a block: its k scaled x^T rows summed in nv registers. */
+static inline __attribute__((always_inline)) void fwd_neuron(const float *restrict xt, int64_t ld,
+                                                             const int32_t *restrict ci, const float *restrict di,
+                                                             vf *restrict yi, int64_t k, int64_t nv) {
+    vf a[FULL_VECS] = {{0}};
+    for (int64_t j = 0; j < k; j++) {
+        const vf *xr = (const vf *)(xt + (int64_t)ci[j] * ld);
+        float d = di[j];
+        for (int64_t v = 0; v < nv; v++) a[v] += d * xr[v];
+    }
+    for (int64_t v = 0; v < nv; v++) yi[v] = a[v];
+}
+
+static void fwd_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+    (void)worker;
+    fwd_ctx *c = (fwd_ctx *)arg;
+    const placement *p = c->p;
+    int64_t tb = p->tb, ld = LD(tb), n = p->n, k = p->k;
+    float *xt = aligned_buffer(p->d_in * ld), *yt = aligned_buffer(n * ld);
+    if (!xt || !yt) {
+        c->status = NA_NO_MEMORY;
+        free(xt), free(yt);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
+        pack_transposed(c->x, t0, len, p->d_in, NULL, xt, ld);
+        for (int64_t i = 0; i < n; i++) {
+            vf *yi = (vf *)(yt + i * ld);
+            if (nv == FULL_VECS)
+                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, FULL_VECS);
+            else
+                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, nv);
+        }
+        store_token_columns(c, yt, t0, len, ld);
+    }
+    free(xt), free(yt);
+}
+
+static void fwd_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+    (void)worker;
+    fwd_ctx *c = (fwd_ctx *)arg;
+    const placement *p = c->p;
+    int64_t tb = p->tb, n = p->n, k = p->k, np = (n + VW - 1) / VW * VW, d_in = p->d_in;
+    float *xr = aligned_buffer(d_in * tb), *yr = aligned_buffer(np);
+    if (!xr || !yr) {
+        c->status = NA_NO_MEMORY;
+        free(xr), free(yr);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb;
+        pack_rows(c->x, t0, len, d_in, NULL, xr, d_in);
+        for (int64_t t = 0; t < len; t++) {
+            const float *xt = xr + t * d_in;
+            int direct = c->ydt == F32 && !p->rows && n % VW == 0;
+            float *dst = direct ? (float *)c->y + (t0 + t) * c->ys0 : yr;
+            for (int64_t i0 = 0; i0 < np; i0 += VW) {
+                vf acc = {0};
+                for (int64_t j = 0; j < k; j++)
+                    acc += *(const vf *)(p->delta_t + j * np + i0) * gather(xt, *(const vi *)(p->cols_t + j * np + i0));
+                *(vfu *)(dst + i0) = direct && c->accumulate ? acc + *(vfu *)(dst + i0) : acc;
+            }
+            if (!direct) {
+                int64_t row = (t0 + t) * c->ys0;
+                if (p->rows && !c->accumulate)
+                    memset((char *)c->y + row * (c->ydt == F32 ? 4 : 2), 0, (size_t)p->d_out * (c->ydt == F32 ? 4 : 2));
+                for (int64_t i = 0; i < n; i++) {
+                    int64_t offset = row + (p->rows ? p->rows[i] : i);
+                    store_elem(c->y, offset, c->ydt, yr[i] + (c->accumulate ? load_elem(c->y, offset, c->ydt) : 0.0f));
+                }
+            }
+        }
+    }
+    free(xr), free(yr);
+}
+
+int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const void *cols, int cdt, const void *rows,
+                      int rdt, const void *delta, int ddt, int64_t T, int64_t d_in, int64_t d_out, int64_t n, int64_t k,
+                      void *y, int ydt, int64_t ys0, int accumulate, int layout, int64_t tb, int workers) {
+    placement p;
+    int status = make_placement(&p, cols, cdt, rows, rdt, delta, ddt, T, d_in, d_out, n, k, tb, layout == 1);
+    if (status == NA_OK) {
+        matrix mx = {x, xs0, xs1, xdt};
+        fwd_ctx ctx = {&mx, &p, y, ydt, ys0, accumulate, NA_OK};
+        int64_t blocks = (T + p.tb - 1) / p.tb;
+        parallel_for(worker_count(workers, blocks, T * (p.d_in + n + n * k)), blocks,
+                     layout == 1 ? fwd_gather_blocks : fwd_dot_blocks, &ctx);
+        status = ctx.status;
+    }
+    free_placement(&p);
+    return status;
+}
+
+/* -------------------------------------------------------------------------------- bypass input gradient (scatter) */
+
+typedef struct {
+    const matrix *g;
+    const placement *p;
+    void *gx;
+    int gxdt;
+    int64_t gxs0;
+    int accumulate;
+    int status;
+} igrad_ctx;
+
+/* One neuron's share of the input gradient over a block: its gradient row in nv registers, scaled into k rows of
+ * gx^T (read-modify-write; columns shared by several neurons accumulate). Gathering per input column instead (a
+ * column index built per call, each gx^T row written once) measured no faster. */
+static inline __attribute__((always_inline)) void igrad_neuron(const vf *restrict gi, float *gxt, int64_t ld,
+                                                               const int32_t *restrict ci, const float *restrict di,
+                                                               int64_t k, int64_t nv) {
+    vf g[FULL_VECS];
+    for (int64_t v = 0; v < nv; v++) g[v] = gi[v];
+    for (int64_t j = 0; j < k; j++) {
+        vf *dst = (vf *)(gxt + (int64_t)ci[j] * ld);
+        float d = di[j];
+        for (int64_t v = 0; v < nv; v++) dst[v] += d * g[v];
+    }
+}
+
+static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+    (void)worker;
+    igrad_ctx *c = (igrad_ctx *)arg;
+    const placement *p = c->p;
+    int64_t tb = p->tb, ld = LD(tb), n = p->n, k = p->k, d_in = p->d_in;
+    float *gt = aligned_buffer(n * ld), *gxt = aligned_buffer(d_in * ld);
+    if (!gt || !gxt) {
+        c->status = NA_NO_MEMORY;
+        free(gt), free(gxt);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
+        pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
+        for (int64_t f = 0; f < d_in; f++) memset(gxt + f * ld, 0, (size_t)nv * VW * 4);
+        for (int64_t i = 0; i < n; i++) {
+            const vf *gi = (const vf *)(gt + i * ld);
+            if (nv == FULL_VECS)
+                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, FULL_VECS);
+            else
+                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, nv);
+        }
+        unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt, c->accumulate);
+    }
+    free(gt), free(gxt);
+}
+
+int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const void *cols, int cdt,
+                         const void *rows, int rdt, const void *delta, int ddt, int64_t T, int64_t d_in, int64_t d_out,
+                         int64_t n, int64_t k, void *gx, int gxdt, int64_t gxs0, int accumulate, int64_t tb,
+                         int workers) {
+    placement p;
+    int status = make_placement(&p, cols, cdt, rows, rdt, delta, ddt, T, d_in, d_out, n, k, tb, 0);
+    if (status == NA_OK) {
+        matrix mg = {g, gs0, gs1, gdt};
+        igrad_ctx ctx = {&mg, &p, gx, gxdt, gxs0, accumulate, NA_OK};
+        int64_t blocks = (T + p.tb - 1) / p.tb;
+        parallel_for(worker_count(workers, blocks, T * (d_in + n + n * k)), blocks, igrad_dot_blocks, &ctx);
+        status = ctx.status;
+    }
+    free_placement(&p);
+    return status;
+}

@@ -1,0 +1,257 @@
+"""The three sparse products agree with the dense math on every backend, for every input the layers can hand them.
+
+Each backend is compared with a float64 dense reference: the weight gradient `grad.T @ x` gathered at the placement,
+and `x @ D.T` / `grad @ D` for the dense scatter D of the deltas (duplicated positions summed). The Triton kernels
+run on CPU tensors through Triton's interpreter (tests/triton_interpreter_worker.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from peft_neuroada import kernels
+from peft_neuroada.kernels import cpu
+
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C compiler"))]
+
+
+class Case:
+    """Random inputs for one layer: (T, d_in) x, (T, d_out) grad, n neurons with k distinct columns each (neurons
+    share columns)."""
+
+    def __init__(self, tokens, d_in, d_out, k, *, subset=False, dtype=torch.float32, index=torch.int64, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.d_in, self.d_out = d_in, d_out
+        self.x = torch.randn(tokens, d_in, generator=generator).to(dtype)
+        self.grad = torch.randn(tokens, d_out, generator=generator).to(dtype)
+        n = d_out // 2 if subset else d_out
+        self.rows = torch.randperm(d_out, generator=generator)[:n].to(index) if subset else None
+        self.cols = torch.rand(n, d_in, generator=generator).argsort(1)[:, :k].to(index)
+        self.delta = torch.randn(n, k, generator=generator).to(dtype)
+
+    @property
+    def neurons(self) -> torch.Tensor:
+        return torch.arange(self.d_out) if self.rows is None else self.rows.long()
+
+    def dense_delta(self) -> torch.Tensor:
+        dense = torch.zeros(self.d_out, self.d_in, dtype=torch.float64)
+        positions = (self.neurons[:, None].expand_as(self.cols), self.cols.long())
+        return dense.index_put_(positions, self.delta.double(), accumulate=True)
+
+    def sampled_grad(self) -> torch.Tensor:
+        return (self.grad.double().T @ self.x.double())[self.neurons[:, None], self.cols.long()]
+
+    def forward(self) -> torch.Tensor:
+        return self.x.double() @ self.dense_delta().T
+
+    def input_grad(self) -> torch.Tensor:
+        return self.grad.double() @ self.dense_delta()
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32 accumulation everywhere; one final rounding to a half-precision output."""
+    scale = expected.abs().max().item() + 1.0
+    rtol = 1e-5 if got.dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=4e-6 * scale if rtol == 1e-5 else rtol * scale)
+
+
+SHAPES = [(1, 7, 5, 1), (37, 50, 70, 5), (130, 33, 17, 20), (70, 72, 40, 64)]
+
+
+def check_all(case: Case, backend: str) -> None:
+    dtype = case.x.dtype
+    got = kernels.sampled_grad(case.x, case.grad, case.cols, case.rows, backend=backend)
+    assert got.dtype == torch.float32 and got.shape == case.cols.shape
+    assert_matches(got, case.sampled_grad(), torch.float32)
+    got = kernels.bypass_forward(case.x, case.cols, case.rows, case.delta, case.d_out, backend=backend)
+    assert got.dtype == dtype and got.shape == (case.x.shape[0], case.d_out)
+    assert_matches(got, case.forward(), dtype)
+    got = kernels.bypass_input_grad(case.grad, case.cols, case.rows, case.delta, case.d_in, dtype, backend=backend)
+    assert got.dtype == dtype and got.shape == case.x.shape
+    assert_matches(got, case.input_grad(), dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-{}to{}-k{}".format(*s))
+@pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_products_match_dense_reference(backend, shape, subset, index):
+    check_all(Case(*shape, subset=subset, index=index), backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 20])
+def test_half_precision_inputs_accumulate_in_float32(backend, dtype, k):
+    check_all(Case(67, 45, 38, k, subset=k == 20, dtype=dtype), backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_inputs_are_read_in_place(backend):
+    """Transposed views (feature-major) and column slices (feature stride 2) give the same products."""
+    case = Case(75, 40, 24, 6, subset=True)
+    case.x = case.x.T.contiguous().T
+    wide = torch.zeros(case.grad.shape[0], 2 * case.grad.shape[1])
+    wide[:, ::2] = case.grad
+    case.grad = wide[:, ::2]
+    assert not case.x.is_contiguous() and not case.grad.is_contiguous()
+    check_all(case, backend)
+
+
+def check_accumulation(case: Case, backend: str) -> None:
+    """`out=` adds the product into the caller's tensor (rows of unit stride, or any other strides)."""
+    dtype = case.x.dtype
+    for make in (lambda t: t.clone(), lambda t: t.T.contiguous().T):
+        base = torch.randn(case.x.shape[0], case.d_out).to(dtype)
+        out = make(base)
+        got = kernels.bypass_forward(case.x, case.cols, case.rows, case.delta, case.d_out, out=out, backend=backend)
+        assert got is out
+        assert_matches(out, base.double() + case.forward(), dtype)
+        base = torch.randn(*case.x.shape).to(dtype)
+        out = make(base)
+        got = kernels.bypass_input_grad(
+            case.grad, case.cols, case.rows, case.delta, case.d_in, out=out, backend=backend
+        )
+        assert got is out
+        assert_matches(out, base.double() + case.input_grad(), dtype)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 20])
+def test_products_accumulate_into_out(backend, dtype, k):
+    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype), backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_duplicate_columns_across_neurons_sum_in_the_input_gradient(backend):
+    case = Case(9, 6, 8, 3)
+    case.cols = torch.tensor([[0, 1, 2]] * 8)
+    got = kernels.bypass_input_grad(case.grad, case.cols, None, case.delta, 6, backend=backend)
+    assert got[:, 3:].abs().max() == 0
+    assert_matches(got, case.input_grad(), torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_empty_placements_and_no_tokens_give_zeros(backend):
+    case = Case(0, 5, 4, 2)
+    assert kernels.sampled_grad(case.x, case.grad, case.cols, backend=backend).abs().sum() == 0
+    assert kernels.bypass_forward(case.x, case.cols, None, case.delta, 4, backend=backend).shape == (0, 4)
+    none = Case(3, 5, 4, 2)
+    empty_rows, empty_cols = torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
+    out = kernels.bypass_forward(none.x, empty_cols, empty_rows, torch.zeros(0, 2), 4, backend=backend)
+    assert out.shape == (3, 4) and out.abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_out_of_range_indices_raise_before_writing(backend):
+    case = Case(4, 5, 3, 2, subset=True)
+    case.cols[0, 1] = 5
+    with pytest.raises(IndexError, match="cols"):
+        kernels.sampled_grad(case.x, case.grad, case.cols, case.rows, backend=backend)
+    with pytest.raises(IndexError, match="cols"):
+        kernels.bypass_forward(case.x, case.cols, case.rows, case.delta, 3, backend=backend)
+    case.cols[0, 1], case.rows[0] = 0, -1
+    with pytest.raises(IndexError, match="rows"):
+        kernels.bypass_input_grad(case.grad, case.cols, case.rows, case.delta, 5, backend=backend)
+
+
+def test_inconsistent_shapes_are_refused():
+    case = Case(4, 5, 3, 2)
+    with pytest.raises(ValueError, match="rows=None"):
+        kernels.bypass_forward(case.x, case.cols, None, case.delta, 4)
+    with pytest.raises(ValueError, match="differ in shape"):
+        kernels.bypass_forward(case.x, case.cols, None, case.delta[:, :1], 3)
+    with pytest.raises(ValueError, match="tokens"):
+        kernels.sampled_grad(case.x[:3], case.grad, case.cols)
+    with pytest.raises(ValueError, match="cols must be"):
+        kernels.sampled_grad(case.x, case.grad, case.cols.float())
+    with pytest.raises(ValueError, match="out must be"):
+        kernels.bypass_forward(case.x, case.cols, None, case.delta, 3, out=torch.zeros(4, 4))
+    square = Case(4, 5, 5, 2)
+    with pytest.raises(ValueError, match="shares memory"):
+        kernels.bypass_forward(square.x, square.cols, None, square.delta, 5, out=square.x)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_c_kernels_are_safe_from_several_threads_and_with_intra_op_threads():
+    cases = [Case(200, 64, 96, 8, subset=i % 2 == 1, seed=i) for i in range(6)]
+    errors: list[BaseException] = []
+
+    def run(case: Case) -> None:
+        try:
+            for _ in range(3):
+                check_all(case, "cpu")
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        workers = [threading.Thread(target=run, args=(case,)) for case in cases]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    assert not errors, errors[0]
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_auto_picks_the_c_kernels_on_cpu_and_torch_ops_for_float64():
+    case = Case(8, 6, 5, 2)
+    assert kernels.choose_backend("sampled_grad", case.x, case.grad) == "cpu"
+    assert kernels.choose_backend("sampled_grad", case.x.double(), case.grad.double()) == "torch"
+    assert kernels.available_backends("cpu") == ["cpu", "torch"]
+    got = kernels.sampled_grad(case.x.double(), case.grad.double(), case.cols)
+    assert_matches(got, case.sampled_grad(), torch.float32)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache and no library loaded yet in this process."""
+    monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "_loaded", {})
+    return tmp_path
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"], ids=["missing", "failing"])
+def test_without_a_working_compiler_everything_falls_back_to_torch_ops(fresh_build, monkeypatch, caplog, compiler):
+    monkeypatch.setenv("CC", compiler)
+    case = Case(12, 9, 7, 3, subset=True)
+    assert kernels.available_backends("cpu") == ["torch"]
+    assert kernels.choose_backend("bypass_forward", case.x, case.delta) == "torch"
+    check_all(case, "auto")
+    assert "using the slower torch ops" in caplog.text
+    assert not list(fresh_build.rglob("*.so"))
+    with pytest.raises(RuntimeError, match="not available"):
+        kernels.sampled_grad(case.x, case.grad, case.cols, case.rows, backend="cpu")
+
+
+@pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler")
+def test_the_built_library_is_cached_and_reused(fresh_build, monkeypatch):
+    assert cpu.library() is not None
+    (built,) = fresh_build.rglob("neuroada_cpu-*.so")
+    monkeypatch.setattr(cpu, "_loaded", {})
+    monkeypatch.setattr(cpu, "_build", lambda *args: pytest.fail("rebuilt although cached"))
+    assert cpu.library() is not None
+    assert list(fresh_build.rglob("*.so")) == [built]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_match_dense_reference_in_the_interpreter():
+    """In a fresh process: the interpreter must be on before anything (torch.compile does) imports triton."""
+    worker = Path(__file__).with_name("triton_interpreter_worker.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "checked" in result.stdout
