@@ -1,18 +1,21 @@
 """The sparse bypass `(P ⊙ Θ) x`, its gradients, and `adapted_linear`: the one entry point that picks how to run it.
 
-Two paths compute `W x + b + (P ⊙ Θ) x`:
+Three paths compute `W x + b + (P ⊙ Θ) x`, each guarded by the preconditions stated beside it:
 
-* **in place** (fast): the deltas are added into the k selected entries of each row of the frozen weight for the
-  duration of one matmul, and the saved original entries are written back bit-exactly afterwards. Forward and input
-  gradient then cost exactly one dense matmul each, like a frozen layer, and nothing of size d_out x d_in is
-  allocated. It runs only when `inplace_refusal` finds no reason against it, and every visit holds the weight's lock
-  (`weight_lock`), so threads never see or write each other's patched entries.
-* **non-mutating**: `base(x) + bypass(x)` with gathers, for every weight the in-place path must not touch (quantized,
-  offloaded, shared, trainable, hooked, traced by `torch.compile`, ...).
+* **in place** (`weight_refusal` finds nothing against it): the deltas are added into the k selected entries of each
+  row of the frozen weight for the duration of one matmul, and the saved original entries are written back
+  bit-exactly afterwards. Forward and input gradient cost exactly one dense matmul each, like a frozen layer, and
+  nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so threads never see
+  or write each other's patched entries.
+* **direct** (`linear_refusal` finds nothing against it: a plain frozen `nn.Linear`/`Conv1D` weight that merely must
+  not be written, e.g. shared, an inference tensor, or `inplace_forward=False`): `F.linear(x, W, b)` with the sparse
+  products of `kernels` added into its output and into its input gradient, reading the weight under its lock.
+* **general**: `base(x) + bypass(x)` for every other base layer (quantized, hooked, offloaded, traced by
+  `torch.compile`, ...), which runs the base layer's own forward and never touches its weight.
 
-Both keep only the layer input (or just the columns of it the deltas read) for backward; the delta gradient is the
+All keep only the layer input (or just the columns of it the deltas read) for backward; the delta gradient is the
 dense weight gradient sampled at the selected positions, `grad[i, j] = sum_t grad_out[t, rows[i]] * x[t, cols[i, j]]`,
-computed without forming it.
+computed by `kernels.sampled_grad` without forming it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-# Above this k, a sampled sparse-dense matmul (one kernel) beats k gather passes for the delta gradient on CPU.
-_GATHER_LOOP_MAX_K = 4
+from . import kernels
+
 # Backward keeps only the input columns the deltas read when they are at most this share of the input.
 _COMPACT_INPUT_MAX_SHARE = 0.5
 
@@ -42,38 +45,46 @@ class Placement(NamedTuple):
     rows: torch.Tensor | None = None
 
 
-# --- Preconditions of the in-place path ---------------------------------------------------------------------------
+# --- Preconditions of the in-place and direct paths ---------------------------------------------------------------
 
-_PATCHABLE_MODULES = (nn.Linear, Conv1D)
-_PATCHABLE_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
+_LINEAR_MODULES = (nn.Linear, Conv1D)
+_PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
+
+
+def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
+    """Why `F.linear(x, weight, base.bias)` may not stand in for `base(x)`, or None (the direct path's condition).
+
+    It may for a plain, frozen `nn.Linear`/`Conv1D` whose forward nothing observes, with a plain dense floating-point
+    weight in memory, outside `torch.compile` and tracing (those see the base layer's own forward).
+    """
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return "the graph is being traced"
+    if type(base) not in _LINEAR_MODULES:
+        return f"the base layer is a {type(base).__name__}"
+    if type(weight) not in _PLAIN_WEIGHT_TYPES or type(base.weight) not in _PLAIN_WEIGHT_TYPES:
+        return f"the weight is a {type(base.weight).__name__}"
+    if weight.layout != torch.strided or not weight.dtype.is_floating_point or weight.is_meta:
+        return "the weight is not a dense floating-point tensor in memory"
+    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
+        return "the base layer trains"
+    if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
+        return "the base layer has forward hooks"
+    return None
 
 
 def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
     """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None.
 
-    The weight must be a plain, frozen, dense floating-point tensor that this layer alone holds and that owns its
-    whole storage, computed by a plain `nn.Linear`/`Conv1D` whose forward nothing observes. Everything else takes the
-    non-mutating path: quantized and subclass tensors (torchao, DTensor), meta and offloaded weights, inference
-    tensors (read-only outside inference mode), views into a larger buffer (FSDP1 flat parameters), weights shared
-    with other modules (they could read the patched entries from another thread), trainable weights or biases, hooked
-    modules (the in-place path does not call `base.forward`), and graphs being traced by `torch.compile`.
+    Beyond `linear_refusal`, the weight must be writable and this layer's alone: not an inference tensor (read-only
+    outside inference mode), not shared with other modules (they could read the patched entries from another thread),
+    and owning its whole storage (not a view into a larger buffer such as an FSDP1 flat parameter).
     """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return "the graph is being traced"
-    if type(base) not in _PATCHABLE_MODULES:
-        return f"the base layer is a {type(base).__name__}"
-    if type(weight) not in _PATCHABLE_WEIGHT_TYPES or type(base.weight) not in _PATCHABLE_WEIGHT_TYPES:
-        return f"the weight is a {type(base.weight).__name__}"
-    if weight.layout != torch.strided or not weight.dtype.is_floating_point or weight.is_meta:
-        return "the weight is not a dense floating-point tensor in memory"
+    if reason := linear_refusal(base, weight):
+        return reason
     if weight.is_inference():
         return "the weight is an inference tensor"
-    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-        return "the base layer trains"
     if shared_with:
         return f"the weight is shared with {', '.join(shared_with)}"
-    if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
-        return "the base layer has forward hooks"
     storage = weight.untyped_storage()
     if weight.storage_offset() != 0 or storage.nbytes() != weight.numel() * weight.element_size():
         return "the weight is a view into a larger buffer"
@@ -183,32 +194,7 @@ def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tens
     _locate(weight, placement, _row_wise(weight, [placement])).write(values)
 
 
-# --- The delta gradient -------------------------------------------------------------------------------------------
-
-
-def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """The output columns of the tuned neurons (all of them when `rows` is None)."""
-    return t2d if rows is None else t2d.index_select(1, rows)
-
-
-def sampled_weight_grad(x2d: torch.Tensor, grad2d: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The dense weight gradient `grad2d.T @ x2d` sampled at the placement, in float32, without forming it."""
-    grad2d = _tuned_columns(grad2d, placement.rows)
-    cols = placement.cols  # int32 or int64: index_select and CSR indices take either, so no conversion per call
-    n, k = cols.shape
-    if k <= _GATHER_LOOP_MAX_K or x2d.device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
-        columns = [(x2d.index_select(1, cols[:, j]) * grad2d).sum(0, dtype=torch.float32) for j in range(k)]
-        return torch.stack(columns, dim=1)
-    row_offsets = torch.arange(0, n * k + 1, k, dtype=cols.dtype, device=cols.device)
-    pattern = torch.sparse_csr_tensor(
-        row_offsets,
-        cols.reshape(-1),
-        torch.zeros(n * k, device=cols.device),
-        size=(n, x2d.shape[1]),
-        check_invariants=False,
-    )
-    sampled = torch.sparse.sampled_addmm(pattern, grad2d.T.float(), x2d.float(), beta=0.0)
-    return sampled.values().view(n, k)
+# --- What backward keeps ------------------------------------------------------------------------------------------
 
 
 def _flatten(t: torch.Tensor) -> torch.Tensor:
@@ -257,6 +243,25 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
 # --- Autograd functions -------------------------------------------------------------------------------------------
 
 
+def _delta_grads(ctx, x_saved: torch.Tensor | None, grad2d: torch.Tensor, deltas, needs: Sequence[bool]) -> list:
+    """The deltas' gradients: the dense weight gradient sampled at each placement (None where not needed)."""
+    return [
+        kernels.sampled_grad(_flatten(x_saved), grad2d, placement.cols, placement.rows).to(delta.dtype)
+        if need
+        else None
+        for placement, delta, need in zip(ctx.saved_placements, deltas, needs, strict=True)
+    ]
+
+
+def _save_input(ctx, x: torch.Tensor, placements: Sequence[Placement], needs_delta_grads: bool):
+    x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
+    return x_saved
+
+
+def _times_weight(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad_out @ weight.to(grad_out.dtype)
+
+
 def merged_linear(x, weight, bias, lock, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage, with no autograd bookkeeping."""
     with lock:
@@ -269,9 +274,7 @@ class InplaceMergedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lock, placements, *deltas):
         out = merged_linear(x, weight, bias, lock, placements, *deltas)
-        needs_delta_grads = any(ctx.needs_input_grad[5:])
-        x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
-        ctx.save_for_backward(x_saved, *deltas)
+        ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
         # The weight is not saved as a tensor: its version changes with every visit, and backward patches it again.
         ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
         return out
@@ -285,53 +288,59 @@ class InplaceMergedLinear(torch.autograd.Function):
                 input_grad = functools.partial(_times_weight, grad_out, ctx.weight)
                 grad_x = _with_deltas_added(ctx.weight, ctx.placements, deltas, input_grad)
             grad_x = grad_x.to(ctx.input_dtype)
-        grad2d = _flatten(grad_out)
-        grad_deltas = [
-            sampled_weight_grad(_flatten(x_saved), grad2d, placement).to(delta.dtype) if needs else None
-            for placement, delta, needs in zip(ctx.saved_placements, deltas, ctx.needs_input_grad[5:], strict=True)
-        ]
+        grad_deltas = _delta_grads(ctx, x_saved, _flatten(grad_out), deltas, ctx.needs_input_grad[5:])
         return grad_x, None, None, None, None, *grad_deltas
 
 
-def _times_weight(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return grad_out @ weight.to(grad_out.dtype)
+def direct_linear(x, weight, bias, lock, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, W, b) + Σ (P ⊙ Θ) x`, the bypasses added into the matmul's own output; the weight is only read."""
+    with lock:
+        out = F.linear(x, weight, bias)
+    out2d, x2d = _flatten(out), _flatten(x)
+    for placement, delta in zip(placements, deltas, strict=True):
+        kernels.bypass_forward(x2d, placement.cols, placement.rows, delta.detach(), out.shape[-1], out=out2d)
+    return out
 
 
-class GuardedLinear(torch.autograd.Function):
-    """`F.linear(x, W, b)` of a frozen weight that in-place visits of other threads may patch: forward and the input
-    gradient read the weight under its lock (and without autograd's version check, which those visits would trip)."""
+class DirectLinear(torch.autograd.Function):
+    """`direct_linear` with gradients: the input gradient `grad @ W` (read under the lock, and without autograd's
+    version check, which in-place visits of other threads would trip) plus each bypass's transpose, added in place."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lock):
-        with lock:
-            out = F.linear(x, weight, bias)
-        ctx.weight, ctx.lock, ctx.input_dtype = weight, lock, x.dtype
+    def forward(ctx, x, weight, bias, lock, placements, *deltas):
+        out = direct_linear(x, weight, bias, lock, placements, *deltas)
+        ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
+        ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        with ctx.lock:
-            grad_x = _times_weight(grad_out, ctx.weight)
-        return grad_x.to(ctx.input_dtype), None, None, None
+        x_saved, *deltas = ctx.saved_tensors
+        grad2d = _flatten(grad_out)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            with ctx.lock:
+                grad_x = _times_weight(grad_out, ctx.weight).to(ctx.input_dtype)
+            grad_x2d, d_in = _flatten(grad_x), grad_x.shape[-1]
+            for placement, delta in zip(ctx.placements, deltas, strict=True):
+                kernels.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in, out=grad_x2d)
+        grad_deltas = _delta_grads(ctx, x_saved, grad2d, deltas, ctx.needs_input_grad[5:])
+        return grad_x, None, None, None, None, *grad_deltas
 
 
-@torch.library.custom_op("neuroada::scatter_to_columns", mutates_args=())
-def scatter_to_columns(
-    tuned_grad: torch.Tensor, cols: torch.Tensor, delta: torch.Tensor, d_in: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The input gradient of the bypass: `grad_x[:, cols[i, j]] += tuned_grad[:, i] * delta[i, j]`.
-
-    An opaque op to `torch.compile`: inductor's fusion of these index_add_ loops writes out of bounds on CPU.
-    """
-    grad_x = tuned_grad.new_zeros(tuned_grad.shape[0], d_in, dtype=dtype)
-    for j in range(cols.shape[1]):
-        grad_x.index_add_(1, cols[:, j], (tuned_grad * delta[:, j]).to(dtype))
-    return grad_x
+@torch.library.custom_op("neuroada::bypass_input_grad", mutates_args=())
+def bypass_input_grad(
+    grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor, d_in: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """`kernels.bypass_input_grad` as an opaque op to `torch.compile`, so compiled graphs run the compiled kernels
+    (traced, the torch-op fallback's index_add_ loop is fused by inductor into code that writes out of bounds)."""
+    return kernels.bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)
 
 
-@scatter_to_columns.register_fake
-def _(tuned_grad: torch.Tensor, cols: torch.Tensor, delta: torch.Tensor, d_in: int, dtype: torch.dtype):
-    return tuned_grad.new_empty(tuned_grad.shape[0], d_in, dtype=dtype)
+@bypass_input_grad.register_fake
+def _(grad2d, cols, rows, delta, d_in, dtype):
+    return grad2d.new_empty(grad2d.shape[0], d_in, dtype=dtype)
 
 
 class SparseBypass(torch.autograd.Function):
@@ -339,28 +348,22 @@ class SparseBypass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, placement, out_features, delta):
-        x2d = _flatten(x)
-        cols = placement.cols.long()
-        tuned = sum(x2d.index_select(1, cols[:, j]) * delta[:, j].to(x.dtype) for j in range(cols.shape[1]))
-        if placement.rows is None:
-            out = tuned
-        else:
-            out = x2d.new_zeros(x2d.shape[0], out_features).index_copy_(1, placement.rows.long(), tuned)
+        out = kernels.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
         ctx.save_for_backward(x, delta)
-        ctx.placement = placement
+        ctx.saved_placements = [placement]
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, delta = ctx.saved_tensors
-        x2d, grad2d = _flatten(x), _flatten(grad_out)
-        placement = ctx.placement
+        grad2d = _flatten(grad_out)
         grad_x = grad_delta = None
         if ctx.needs_input_grad[0]:
-            tuned_grad = _tuned_columns(grad2d, placement.rows)
-            grad_x = scatter_to_columns(tuned_grad, placement.cols.long(), delta, x2d.shape[1], x.dtype).view_as(x)
+            (placement,) = ctx.saved_placements
+            grad_x = bypass_input_grad(grad2d, placement.cols, placement.rows, delta, x.shape[-1], x.dtype)
+            grad_x = grad_x.view_as(x)
         if ctx.needs_input_grad[3]:
-            grad_delta = sampled_weight_grad(x2d, grad2d, placement).to(delta.dtype)
+            (grad_delta,) = _delta_grads(ctx, x, grad2d, [delta], [True])
         return grad_x, None, None, grad_delta
 
 
@@ -380,20 +383,30 @@ class FrozenLinear(NamedTuple):
             return "the base layer gets extra arguments"
         return weight_refusal(self.module, self.weight, self.shared_with)
 
+    def direct_refusal(self, *args, **kwargs) -> str | None:
+        """Why the direct path must not run for a call with these extra base-layer arguments, or None."""
+        if args or kwargs:
+            return "the base layer gets extra arguments"
+        return linear_refusal(self.module, self.weight)
+
+
+def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: bool) -> torch.Tensor:
+    lock = weight_lock(frozen.module)
+    if inplace:
+        function, plain = InplaceMergedLinear, merged_linear
+    else:
+        function, plain = DirectLinear, direct_linear
+    # Under no_grad (inference, generation) autograd.Function still reports the deltas as needing gradients.
+    if torch.is_grad_enabled():
+        return function.apply(x, frozen.weight, frozen.module.bias, lock, tuple(placements), *deltas)
+    return plain(x, frozen.weight, frozen.module.bias, lock, placements, *deltas)
+
 
 def frozen_output(frozen: FrozenLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The base layer's own output; read under the weight's lock when in-place visits may patch that weight."""
-    return _frozen_output(frozen, frozen.refusal(*args, **kwargs), x, *args, **kwargs)
-
-
-def _frozen_output(frozen: FrozenLinear, refusal: str | None, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if refusal is not None:
+    if frozen.direct_refusal(*args, **kwargs) is not None:
         return frozen.module(x, *args, **kwargs)
-    lock = weight_lock(frozen.module)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return GuardedLinear.apply(x, frozen.weight, frozen.module.bias, lock)
-    with lock:
-        return F.linear(x, frozen.weight, frozen.module.bias)
+    return _linear(frozen, x, (), (), inplace=False)
 
 
 def adapted_linear(
@@ -406,16 +419,13 @@ def adapted_linear(
     *args,
     **kwargs,
 ) -> torch.Tensor:
-    """`W x + b + Σ (P ⊙ Θ) x` over the given adapters: in place when `inplace` is wanted and nothing refuses it
-    (`FrozenLinear.refusal`), else the non-mutating `base(x) + bypass(x)`. Extra arguments go to the base layer."""
-    refusal = frozen.refusal(*args, **kwargs)
-    if inplace and refusal is None:
-        lock = weight_lock(frozen.module)
-        if torch.is_grad_enabled():
-            return InplaceMergedLinear.apply(x, frozen.weight, frozen.module.bias, lock, tuple(placements), *deltas)
-        # Under no_grad (inference, generation) autograd.Function still reports the deltas as needing gradients.
-        return merged_linear(x, frozen.weight, frozen.module.bias, lock, placements, *deltas)
-    result = _frozen_output(frozen, refusal, x, *args, **kwargs)
+    """`W x + b + Σ (P ⊙ Θ) x` over the given adapters, on the first path whose preconditions hold: in place (if
+    `inplace` is wanted), direct, general (see the module docstring). Extra arguments go to the base layer."""
+    if inplace and frozen.refusal(*args, **kwargs) is None:
+        return _linear(frozen, x, placements, deltas, inplace=True)
+    if frozen.direct_refusal(*args, **kwargs) is None:
+        return _linear(frozen, x, placements, deltas, inplace=False)
+    result = frozen.module(x, *args, **kwargs)
     for placement, delta in zip(placements, deltas, strict=True):
         result = result + SparseBypass.apply(x, placement, out_features, delta).to(result.dtype)
     return result

@@ -43,13 +43,13 @@ def hooked(base: nn.Linear) -> nn.Linear:
     return base
 
 
-# Each situation, and what `FrozenLinear.refusal` must say about it (None: the in-place path runs).
+# Each situation, what `FrozenLinear.refusal` must say about it (None: the in-place path runs), and the path taken.
 SITUATIONS = {
-    "plain": (plain, None),
-    "tensor-subclass": (subclass_weight, "the weight is a Tagged"),
-    "view-into-larger-buffer": (view_into_a_larger_buffer, "a view into a larger buffer"),
-    "trainable-weight": (trainable_weight, "the base layer trains"),
-    "forward-hook": (hooked, "forward hooks"),
+    "plain": (plain, None, "in place"),
+    "tensor-subclass": (subclass_weight, "the weight is a Tagged", "general"),
+    "view-into-larger-buffer": (view_into_a_larger_buffer, "a view into a larger buffer", "direct"),
+    "trainable-weight": (trainable_weight, "the base layer trains", "general"),
+    "forward-hook": (hooked, "forward hooks", "general"),
 }
 
 
@@ -64,14 +64,21 @@ def dense_reference(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, weight, layer.get_base_layer().bias)
 
 
-@pytest.mark.parametrize(("situation", "refusal"), SITUATIONS.values(), ids=SITUATIONS.keys())
-def test_the_fast_path_runs_only_where_nothing_refuses_it(situation, refusal):
-    reason = make_layer(situation).frozen().refusal()
+def path_taken(layer: Linear) -> str:
+    frozen = layer.frozen()
+    return "in place" if frozen.refusal() is None else "direct" if frozen.direct_refusal() is None else "general"
+
+
+@pytest.mark.parametrize(("situation", "refusal", "path"), SITUATIONS.values(), ids=SITUATIONS.keys())
+def test_the_fast_path_runs_only_where_nothing_refuses_it(situation, refusal, path):
+    layer = make_layer(situation)
+    reason = layer.frozen().refusal()
     assert reason == refusal if refusal is None else refusal in reason
+    assert path_taken(layer) == path
 
 
-@pytest.mark.parametrize(("situation", "refusal"), SITUATIONS.values(), ids=SITUATIONS.keys())
-def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(situation, refusal):
+@pytest.mark.parametrize(("situation", "refusal", "path"), SITUATIONS.values(), ids=SITUATIONS.keys())
+def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(situation, refusal, path):
     layer = make_layer(situation)
     weight = layer.get_base_layer().weight
     before, version = weight.detach().clone(), weight._version

@@ -13,7 +13,9 @@ from peft_neuroada.layer import Linear
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-3}
-PATHS = {"inplace": True, "bypass": False}
+# The three paths of `adapted_linear`: in place; direct (the weight is only read); general (the base layer's own
+# forward, which a forward hook on it forces, plus the bypass).
+PATHS = ("inplace", "direct", "general")
 
 
 def make_layer(
@@ -24,7 +26,10 @@ def make_layer(
     nn.init.normal_(base.weight)
     nn.init.normal_(base.bias)
     base = base.to(device=device, dtype=dtype).requires_grad_(False)
-    config = NeuroAdaConfig(k=k, init_weights=False, inplace_forward=PATHS[path], neuron_fraction=neuron_fraction)
+    if path == "general":
+        base.register_forward_hook(lambda module, args, out: out)
+    inplace = path == "inplace"
+    config = NeuroAdaConfig(k=k, init_weights=False, inplace_forward=inplace, neuron_fraction=neuron_fraction)
     return Linear(base, "default", config, fan_in_fan_out=conv1d)
 
 
