@@ -21,6 +21,7 @@ VARIANTS = [
     "neuroada-k1",
     "neuroada-k20",
     "neuroada-k20-frozen",
+    "neuroada-k20-nonmutating",
     "lora-budget",
     "lora-r8",
     "shira-budget",
@@ -97,3 +98,15 @@ def test_paired_floor_steps_leave_frozen_adapters_frozen() -> None:
     with train_cost.adapters_disabled(model):
         pass
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_threaded_inference_benchmark_reports_every_variant_and_thread_count() -> None:
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "threaded_inference.py"), "--tiny"]
+    command += ["--threads", "1", "2", "--calls", "1", "--rounds", "1", "--new-tokens", "2"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    cells = {(variant.strip(), workload.strip()) for variant, workload, *_ in rows}
+    for variant in ("base", "neuroada k=1 (in place)", "neuroada k=1 (non-mutating)", "lora r=1"):
+        assert {(variant, "forward"), (variant, "generate")} <= cells
+    assert all(float(cell) > 0 for row in rows for cell in row[2:4])
