@@ -14,25 +14,18 @@ the same parameter budget.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import interleaved_samples, markdown_table
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-# Run from a checkout without installing the package.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from peft_neuroada import NeuroAdaConfig, kernels  # noqa: E402
+from peft_neuroada import NeuroAdaConfig, kernels
+from peft_neuroada.budget import lora_rank_for_k
 
 
 @dataclass
@@ -236,7 +229,7 @@ def layer_step(module: nn.Module, layer: Layer) -> torch.Tensor:
 def layer_modules(layer: Layer) -> dict[str, nn.Module]:
     """Frozen layer, NeuroAda with the layer's k, and LoRA with the rank closest to the same parameter count."""
     d_out, d_in = layer.weight.shape
-    rank = max(1, round(layer.k * d_out / (d_in + d_out)))
+    rank = lora_rank_for_k([(d_out, d_in)], layer.k)
     configs = {
         f"neuroada k={layer.k}": NeuroAdaConfig(k=layer.k, target_modules=["proj"]),
         f"lora r={rank}": LoraConfig(r=rank, target_modules=["proj"]),
@@ -260,19 +253,10 @@ CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Laye
 
 
 def interleaved_medians(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
-    """Median wall and process-CPU seconds of each call, timed round-robin so that load from other jobs on the
-    machine hits every candidate alike (one warmup call each first). Each round runs the calls in a new (seeded)
-    order: in a fixed order, the call after a large matmul measured up to 3x slower on a 2-vCPU VM."""
+    """Median wall and process-CPU seconds of each call, timed interleaved after one warmup call each."""
     for fn in calls.values():
         fn()
-    samples: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in calls}
-    order = random.Random(0)
-    for _ in range(repeats):
-        for name, fn in order.sample(list(calls.items()), len(calls)):
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            fn()
-            samples[name][0].append(time.perf_counter() - start_wall)
-            samples[name][1].append(time.process_time() - start_cpu)
+    samples = interleaved_samples(calls, repeats)
     return {name: (statistics.median(wall), statistics.median(cpu)) for name, (wall, cpu) in samples.items()}
 
 
@@ -336,11 +320,7 @@ def main() -> None:
         f"{args.tokens} tokens x ({args.d_in} -> {args.d_out}), float32, {args.device} {where}, "
         f"kernels {kernels.available_backends(args.device)}, torch {torch.__version__}\n"
     )
-    header = ["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({clock})"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "|".join("---" for _ in header) + "|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(markdown_table(["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({clock})"], rows))
 
 
 if __name__ == "__main__":

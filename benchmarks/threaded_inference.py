@@ -17,16 +17,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from common import markdown_table
+from cost.variants import TARGETS, build_model
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_cost import TARGETS, build_model, markdown_table  # noqa: E402
-
-from peft_neuroada import NeuroAdaConfig  # noqa: E402
+from peft_neuroada import NeuroAdaConfig
 
 VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "base": lambda model: model,

@@ -50,3 +50,18 @@ def k_for_budget(
     max_k = max(d_in for _, d_in in shapes)
     counts = {k: neuroada_parameter_count(shapes, k, config.neuron_fraction) for k in range(1, max_k + 1)}
     return min(counts, key=lambda k: (abs(counts[k] - target), k))
+
+
+def lora_rank_for_k(shapes: list[tuple[int, int]], k: int) -> int:
+    """The LoRA rank whose parameter count on these layers is closest to NeuroAda's with this k (the smaller rank on
+    a tie): the peer at equal budget."""
+    target = neuroada_parameter_count(shapes, k)
+    per_rank = lora_parameter_count(shapes, 1)
+    low = max(1, target // per_rank)
+    return min((low, low + 1), key=lambda rank: (abs(lora_parameter_count(shapes, rank) - target), rank))
+
+
+def density_for_k(shapes: list[tuple[int, int]], k: int) -> float:
+    """The share of these layers' weight entries that NeuroAda with this k tunes: the density a sparse method of
+    entries (SHiRA, Super-Tuning) needs for an equal budget."""
+    return neuroada_parameter_count(shapes, k) / sum(d_out * d_in for d_out, d_in in shapes)

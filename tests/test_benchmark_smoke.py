@@ -25,6 +25,7 @@ VARIANTS = [
     "lora-budget",
     "lora-r8",
     "shira-budget",
+    "supertuning-budget",
     "paper-scatter-k20",
     "mask-k20",
     "full",
@@ -53,7 +54,7 @@ def test_tiny_benchmark_reports_every_variant(tmp_path: Path) -> None:
 
     # The parameter budgets the comparison rests on: LoRA/SHiRA are matched to NeuroAda k=20 within one rank step.
     budget = results["neuroada-k20"]["trainable_params"]
-    for name in ("lora-budget", "shira-budget"):
+    for name in ("lora-budget", "shira-budget", "supertuning-budget"):
         assert abs(results[name]["trainable_params"] - budget) / budget < 0.1, name
     assert results["paper-scatter-k20"]["trainable_params"] == budget
 
@@ -91,11 +92,13 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
 
 def test_paired_floor_steps_leave_frozen_adapters_frozen() -> None:
     """peft makes active adapters trainable again on leaving `disable_adapter`; the paired floor must not."""
-    spec = importlib.util.spec_from_file_location("train_cost", BENCHMARK)
-    train_cost = sys.modules["train_cost"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(train_cost)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        measurement = importlib.import_module("cost.measurement")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)).requires_grad_(False)
-    with train_cost.adapters_disabled(model):
+    with measurement.adapters_disabled(model):
         pass
     assert not any(p.requires_grad for p in model.parameters())
 

@@ -7,7 +7,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, k_for_budget, select_by_gradient
-from peft_neuroada.budget import lora_parameter_count, neuroada_parameter_count, targeted_shapes
+from peft_neuroada.budget import (
+    density_for_k,
+    lora_parameter_count,
+    lora_rank_for_k,
+    neuroada_parameter_count,
+    targeted_shapes,
+)
 from tests.conftest import indices_by_layer, logits, named_neuroada_layers, tiny_llama
 
 
@@ -33,6 +39,20 @@ def test_k_for_a_percentage_budget():
     total = sum(p.numel() for p in model.parameters())
     k = k_for_budget(model, NeuroAdaConfig(), percent=100 * neuroada_parameter_count(shapes, 3) / total)
     assert k == 3
+
+
+def test_the_lora_rank_for_a_k_is_the_one_with_the_closest_parameter_count(smollm2):
+    shapes = targeted_shapes(smollm2, NeuroAdaConfig())
+    for k in (1, 16, 20):
+        rank = lora_rank_for_k(shapes, k)
+        gaps = {r: abs(lora_parameter_count(shapes, r) - neuroada_parameter_count(shapes, k)) for r in range(1, 64)}
+        assert gaps[rank] == min(gaps.values())
+    assert lora_rank_for_k(shapes, 16) == 8  # SmolLM2-135M: LoRA r=8 and k=16 spend the same budget
+
+
+def test_the_density_for_a_k_is_its_share_of_the_weight_entries():
+    shapes = [(8, 16), (32, 4)]
+    assert density_for_k(shapes, 2) == pytest.approx((8 * 2 + 32 * 2) / (8 * 16 + 32 * 4))
 
 
 def test_budget_needs_exactly_one_target():

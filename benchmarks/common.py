@@ -1,0 +1,42 @@
+"""What every benchmark script shares: importing this checkout's `peft_neuroada` without installing it, the
+interleaved timing loop, and the Markdown tables they print."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+Samples = dict[str, tuple[list[float], list[float]]]
+
+
+def interleaved_samples(
+    calls: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None, seed: int = 0
+) -> Samples:
+    """Wall and process-CPU seconds of every call of each of `calls`, per name, timed round-robin so that load from
+    other jobs on the machine hits every candidate alike. Each round runs the calls in a new (seeded) order: in a fixed
+    order, the call after a large matmul measured up to 3x slower on a 2-vCPU VM. `sync` runs before and after each
+    call (CUDA: time the kernels, not their launches). CPU time is far less disturbed by other jobs than wall time."""
+    samples: Samples = {name: ([], []) for name in calls}
+    order = random.Random(seed)
+    for _ in range(repeats):
+        for name, fn in order.sample(list(calls.items()), len(calls)):
+            sync()
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            samples[name][0].append(time.perf_counter() - start_wall)
+            samples[name][1].append(time.process_time() - start_cpu)
+    return samples
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,286 @@
+"""Measuring one variant in a fresh process: memory in one, time in another, the paired floor alongside."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from common import interleaved_samples
+from peft import PeftModel
+
+from .meters import (
+    MIB,
+    SavedTensorMeter,
+    peak_rss_bytes,
+    reset_peak_rss,
+    return_freed_memory_to_os,
+    rss_bytes,
+    tensor_bytes,
+)
+from .variants import VARIANTS, build_model
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    batch: int
+    seq_len: int
+    warmup: int
+    steps: int
+    infer_steps: int
+
+
+MODEL_DEFAULTS = {
+    "smollm2": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3),
+    "large-random": ModelDefaults(batch=1, seq_len=256, warmup=2, steps=3, infer_steps=3),
+    "tiny": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a variant's process needs (picklable, sent to the child)."""
+
+    model: str
+    variant: str
+    batch: int
+    seq_len: int
+    warmup: int
+    steps: int
+    infer_steps: int
+    device: str
+    dtype: str
+    threads: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    """One variant's figures; times in seconds, memory in bytes (growth over the loaded model)."""
+
+    variant: str
+    label: str = ""
+    trainable_params: int = 0
+    step_wall_s: float = float("nan")
+    step_cpu_s: float = float("nan")
+    infer_wall_s: float = float("nan")
+    infer_cpu_s: float = float("nan")
+    peak_growth_bytes: int = 0
+    memory_source: str = ""
+    saved_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+    error: str | None = None
+    # Every timed call, pooled over rounds: "step_wall", "step_cpu", "infer_wall", "infer_cpu" -> seconds.
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def accounted_bytes(self) -> int:
+        return self.saved_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def add_samples(self, samples: dict[str, list[float]]) -> None:
+        """Pool another round's timings and refresh the medians."""
+        for key, values in samples.items():
+            self.samples.setdefault(key, []).extend(values)
+            if hasattr(self, f"{key}_s"):
+                setattr(self, f"{key}_s", statistics.median(self.samples[key]))
+
+    def paired_ratio(self, name: str, clock: str) -> float:
+        """Median over adjacent pairs of this variant's `name` ("step"/"infer") time over the same process's floor
+        (adapters disabled), timed alternately so both see the same machine load; NaN when not measured."""
+        ours, floor = self.samples.get(f"{name}_{clock}", []), self.samples.get(f"floor_{name}_{clock}", [])
+        if not floor:
+            return float("nan")
+        return statistics.median(a / b for a, b in zip(ours, floor, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@contextmanager
+def adapters_disabled(model: PeftModel) -> Iterator[None]:
+    """peft's `disable_adapter`, keeping which parameters train: leaving it makes the active adapters trainable again,
+    which would turn a frozen-adapter variant into a trained one after its first paired floor step."""
+    trainable = [p.requires_grad for p in model.parameters()]
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for param, flag in zip(model.parameters(), trainable, strict=True):
+            param.requires_grad_(flag)
+
+
+@contextmanager
+def as_floor(model: PeftModel) -> Iterator[None]:
+    """Run a peft model as the floor: adapters disabled, input-embedding output requiring grad."""
+    embeddings = model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+    try:
+        with adapters_disabled(model):
+            yield
+    finally:
+        handle.remove()
+
+
+class Session:
+    """A variant set up on a freshly loaded model, with its batch and optimizer, ready to take training steps.
+
+    For peft variants the same model, adapters disabled, also serves as an in-process floor whose steps alternate
+    with the variant's: the paired ratio is far less sensitive to other jobs than one across processes.
+    """
+
+    def __init__(self, spec: RunSpec) -> None:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.device = resolve_device(spec.device)
+        self.on_cuda = self.device.type == "cuda"
+        model = build_model(spec.model, getattr(torch, spec.dtype)).to(self.device)
+        generator = torch.Generator().manual_seed(spec.seed)
+        ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq_len), generator=generator)
+        self.input_ids = ids.to(self.device)
+        gc.collect()
+        self.baseline = torch.cuda.memory_allocated() if self.on_cuda else rss_bytes()
+        self.model, self.params, label = VARIANTS[spec.variant](model)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0) if self.params else None
+        self.result = Result(spec.variant, label, trainable_params=sum(p.numel() for p in self.params))
+        self.paired = isinstance(self.model, PeftModel)
+
+    def step(self) -> None:
+        """fwd + bwd + AdamW step; the floor has nothing to optimize and stops after backward."""
+        self.model(input_ids=self.input_ids, labels=self.input_ids).loss.backward()
+        if self.optimizer is not None:
+            grads = tensor_bytes(p.grad for p in self.params if p.grad is not None)
+            self.result.grad_bytes = max(self.result.grad_bytes, grads)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def floor_step(self) -> None:
+        with as_floor(self.model):
+            self.model(input_ids=self.input_ids, labels=self.input_ids).loss.backward()
+
+    def infer(self) -> None:
+        with torch.no_grad():
+            self.model(input_ids=self.input_ids)
+
+    def floor_infer(self) -> None:
+        with adapters_disabled(self.model):
+            self.infer()
+
+    def calls(self, name: str) -> dict[str, Callable[[], None]]:
+        """The calls to time for `name` ("step" or "infer"): the variant's, plus the in-process floor's if any."""
+        calls = {name: getattr(self, name)}
+        if self.paired:
+            calls[f"floor_{name}"] = getattr(self, f"floor_{name}")
+        return calls
+
+    def sync(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize()
+
+    def timed(self, calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+        """Wall and process-CPU seconds of each call, the calls interleaved, as `{name}_wall` / `{name}_cpu`."""
+        samples = interleaved_samples(calls, repeats, self.sync)
+        return {
+            f"{name}_{clock}": times
+            for name, (wall, cpu) in samples.items()
+            for clock, times in (("wall", wall), ("cpu", cpu))
+        }
+
+
+def measure_memory(spec: RunSpec) -> Result:
+    """Peak growth and the saved/grad/optimizer account over two steps (the first creates the optimizer state).
+
+    Runs apart from the timing so that glibc can be told to hand freed memory back (RSS then follows live tensors)
+    without its extra page faults slowing the timed steps.
+    """
+    return_freed_memory_to_os()
+    session = Session(spec)
+    gc.collect()
+    if session.on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
+    meter = SavedTensorMeter(session.model)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda tensor: tensor):
+        session.step()
+    session.step()
+    peak = torch.cuda.max_memory_allocated() if session.on_cuda else peak_rss_bytes()
+    result = session.result
+    result.peak_growth_bytes = peak - session.baseline
+    result.memory_source = "cuda max_memory_allocated" if session.on_cuda else "peak RSS (VmHWM)"
+    result.saved_bytes = meter.total
+    if session.optimizer is not None:
+        states = session.optimizer.state.values()
+        result.optimizer_bytes = tensor_bytes(t for state in states for t in state.values())
+    return result
+
+
+def measure_time(spec: RunSpec) -> Result:
+    """Training-step and no-grad forward times, after warmup, with the default allocator."""
+    session = Session(spec)
+    for _ in range(spec.warmup):
+        for fn in session.calls("step").values():
+            fn()
+    result = session.result
+    result.add_samples(session.timed(session.calls("step"), spec.steps))
+    if spec.infer_steps:
+        session.model.eval()
+        for fn in session.calls("infer").values():
+            fn()
+        result.add_samples(session.timed(session.calls("infer"), spec.infer_steps))
+    return result
+
+
+def run_isolated(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
+    """Run `measure(spec)` in a new forked process; a crash (or OOM kill) becomes that variant's error."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            return pool.submit(measure, spec).result()
+        except Exception as error:  # any failure belongs in the table, not in a traceback that hides the rest
+            return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+
+
+def run_all(specs: list[RunSpec], rounds: int) -> list[Result]:
+    """Memory of each variant once, then `rounds` timing passes over all variants, in a rotated order each round.
+
+    Spreading each variant's timed steps over the whole run (instead of one burst) gives every variant the same
+    share of whatever else the machine is doing, which keeps the ratios to the floor fair on a shared CPU.
+    """
+    results = []
+    for spec in specs:
+        results.append(run_isolated(measure_memory, spec))
+        _progress(results[-1], "memory")
+    for round_index in range(rounds):
+        pairs = list(zip(specs, results, strict=True))
+        shift = round_index % len(pairs)
+        for spec, result in pairs[shift:] + pairs[:shift]:
+            if result.error:
+                continue
+            timing = run_isolated(measure_time, spec)
+            if timing.error:
+                result.error = timing.error
+            else:
+                result.add_samples(timing.samples)
+            _progress(result, f"timing round {round_index + 1}/{rounds}")
+    return results
+
+
+def _progress(result: Result, stage: str) -> None:
+    if result.error:
+        status = f"error: {result.error}"
+    else:
+        status = f"+{result.peak_growth_bytes / MIB:,.1f} MiB peak, {result.step_cpu_s * 1e3:,.0f} ms CPU/step"
+    print(f"[{result.variant}] {stage}: {status}", file=sys.stderr, flush=True)

@@ -1,0 +1,192 @@
+"""The variants the training-cost benchmark compares, each preparing a freshly loaded model: the frozen floor,
+NeuroAda, and every peer that spends the same sparse or low-rank parameter budget another way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
+from peft_neuroada.config import LLAMA_STYLE_TARGETS
+from peft_neuroada.train.default_model import load_default_model
+
+# The issue's budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.
+BUDGET_K = 20
+TARGETS = list(LLAMA_STYLE_TARGETS)
+
+RANDOM_CONFIGS = {
+    # ~0.55B parameters: the weights (2.2 GB) dominate the activations of a 1 x 256 batch.
+    "large-random": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=16,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+    "tiny": LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------------- models
+
+
+def build_model(name: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The real SmolLM2-135M, or a seeded random Llama (weights need not be trained to cost the same)."""
+    if name == "smollm2":
+        model, _ = load_default_model(dtype=dtype)
+        return model
+    torch.manual_seed(0)
+    return LlamaForCausalLM(RANDOM_CONFIGS[name]).to(dtype)
+
+
+def targeted_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """The layers every variant adapts: the same q/k/v/o/gate/up/down projections NeuroAda targets by default."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
+            yield name, module
+
+
+def budget_rank(model: nn.Module, k: int = BUDGET_K) -> int:
+    """LoRA/SHiRA rank whose parameter count on the targeted layers comes closest to NeuroAda's with this k."""
+    return lora_rank_for_k(targeted_shapes(model, NeuroAdaConfig(k=k, target_modules=TARGETS)), k)
+
+
+def top_k_columns(weight: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the k largest-|w| input columns (as the paper code selects them), int64."""
+    with torch.no_grad():
+        return weight.abs().topk(k, dim=1).indices
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+
+
+# ------------------------------------------------------------------------------------------------- variants
+
+# A variant prepares the model in place (or wraps it) and returns the model to run and the parameters to optimize.
+Setup = tuple[nn.Module, list[nn.Parameter], str]
+
+
+def frozen_floor(model: PreTrainedModel) -> Setup:
+    """What any adapter must at least pay: forward plus backward of input gradients through a frozen model."""
+    model.requires_grad_(False)
+    model.enable_input_require_grads()
+    return model, [], "floor (frozen, input grads)"
+
+
+def peft_variant(model: PreTrainedModel, config, label: str) -> Setup:
+    peft_model = get_peft_model(model, config)
+    return peft_model, [p for p in peft_model.parameters() if p.requires_grad], label
+
+
+def neuroada(k: int, inplace: bool = True) -> Callable[[PreTrainedModel], Setup]:
+    """NeuroAda on its default in-place path, or (inplace False) on the non-mutating path that threads, shared
+    weights and inference tensors fall back to."""
+    config = NeuroAdaConfig(k=k, target_modules=TARGETS, inplace_forward=inplace)
+    return lambda model: peft_variant(model, config, f"neuroada k={k}" + ("" if inplace else ", non-mutating"))
+
+
+def neuroada_frozen(model: PreTrainedModel) -> Setup:
+    """NeuroAda k=20 with its deltas frozen: the in-place path's own cost (forward and input gradient through
+    W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
+    peft_model, _, _ = neuroada(BUDGET_K)(model)
+    return frozen_floor(peft_model)[0], [], f"neuroada k={BUDGET_K}, deltas frozen"
+
+
+def lora(rank: int | None) -> Callable[[PreTrainedModel], Setup]:
+    """LoRA at a fixed rank, or (rank None) at the rank matching NeuroAda k=20's parameter count."""
+
+    def setup(model: PreTrainedModel) -> Setup:
+        r = rank or budget_rank(model)
+        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS)
+        return peft_variant(model, config, f"lora r={r}" + ("" if rank else " (budget)"))
+
+    return setup
+
+
+def shira(model: PreTrainedModel) -> Setup:
+    r = budget_rank(model)
+    config = ShiraConfig(r=r, random_seed=0, target_modules=TARGETS)
+    return peft_variant(model, config, f"shira r={r} (budget)")
+
+
+def supertuning(model: PreTrainedModel) -> Setup:
+    """peft's Super-Tuning (magnitude-selected sparse entries, the upstream counterpart of NeuroAda) at the density
+    that gives it NeuroAda k=20's parameter count."""
+    density = density_for_k(targeted_shapes(model, NeuroAdaConfig(k=BUDGET_K, target_modules=TARGETS)), BUDGET_K)
+    config = SupertuningConfig(sparsity=1.0 - density, target_modules=TARGETS)
+    return peft_variant(model, config, f"supertuning {100 * density:.2f}% (budget)")
+
+
+class ScatterAddLinear(nn.Module):
+    """The NeuroAda paper code's forward: rebuild W + scatter(delta) as a new dense tensor at every call."""
+
+    def __init__(self, base: nn.Linear, k: int) -> None:
+        super().__init__()
+        self.base = base
+        rows = torch.arange(base.out_features, device=base.weight.device).unsqueeze(1) * base.in_features
+        self.register_buffer("positions", (rows + top_k_columns(base.weight, k)).flatten())
+        self.delta = nn.Parameter(torch.zeros(base.out_features * k, device=base.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.base.weight
+        merged = weight.flatten().scatter_add(0, self.positions, self.delta.to(weight.dtype)).view_as(weight)
+        return F.linear(x, merged, self.base.bias)
+
+
+def paper_scatter_add(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
+    model.requires_grad_(False)
+    for name, layer in list(targeted_linears(model)):
+        replace_module(model, name, ScatterAddLinear(layer, k))
+    return model, [p for p in model.parameters() if p.requires_grad], f"paper scatter_add k={k}"
+
+
+def mask_based(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
+    """Sparse tuning the usual way: dense trainable weights whose gradients are masked to the top-k entries."""
+    model.requires_grad_(False)
+    params = []
+    for _, layer in targeted_linears(model):
+        weight = layer.weight
+        mask = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, top_k_columns(weight, k), True)
+        weight.requires_grad_(True)
+        weight.register_hook(lambda grad, mask=mask: grad * mask)
+        params.append(weight)
+    return model, params, f"mask-based k={k} (dense grads)"
+
+
+def full_finetune(model: PreTrainedModel) -> Setup:
+    model.requires_grad_(True)
+    return model, list(model.parameters()), "full fine-tuning"
+
+
+VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
+    "floor": frozen_floor,
+    "neuroada-k1": neuroada(1),
+    "neuroada-k20": neuroada(BUDGET_K),
+    "neuroada-k20-frozen": neuroada_frozen,
+    "neuroada-k20-nonmutating": neuroada(BUDGET_K, inplace=False),
+    "lora-budget": lora(None),
+    "lora-r8": lora(8),
+    "shira-budget": shira,
+    "supertuning-budget": supertuning,
+    "paper-scatter-k20": paper_scatter_add,
+    "mask-k20": mask_based,
+    "full": full_finetune,
+}
