@@ -33,7 +33,7 @@ import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
 from cost.measurement import MODEL_DEFAULTS, Result, RunSpec, run_all
 from cost.report import check_targets, format_checks, format_table
-from cost.variants import VARIANTS
+from cost.variants import QUANTIZATIONS, VARIANTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available).")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--quantize", choices=sorted(QUANTIZATIONS), help="Load the base quantized (nf4: QLoRA's) for every variant."
+    )
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads per variant; 1 keeps timings sane on a shared CPU."
     )
@@ -90,13 +93,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
             device=args.device,
             dtype=args.dtype,
             threads=args.threads,
+            quantize=args.quantize,
         )
         for variant in args.variants
     ]
     results = run_all(specs, args.rounds)
     checks = check_targets(results, args.clock)
     print(
-        f"\nmodel={args.model} batch={args.batch}x{args.seq_len} dtype={args.dtype} device={args.device} "
+        f"\nmodel={args.model} quantize={args.quantize} batch={args.batch}x{args.seq_len} dtype={args.dtype} "
+        f"device={args.device} "
         f"threads={args.threads or torch.get_num_threads()} rounds={args.rounds} warmup={args.warmup} "
         f"steps={args.steps} infer_steps={args.infer_steps} torch={torch.__version__} machine={platform.machine()} "
         f"cpus={os.cpu_count()}\n"

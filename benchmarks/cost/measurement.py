@@ -58,6 +58,7 @@ class RunSpec:
     dtype: str
     threads: int | None = None
     seed: int = 0
+    quantize: str | None = None  # a key of variants.QUANTIZATIONS: every variant on the same quantized base
 
 
 @dataclass
@@ -146,7 +147,9 @@ class Session:
             torch.set_num_threads(spec.threads)
         self.device = resolve_device(spec.device)
         self.on_cuda = self.device.type == "cuda"
-        model = build_model(spec.model, getattr(torch, spec.dtype)).to(self.device)
+        model = build_model(spec.model, getattr(torch, spec.dtype), spec.quantize)
+        if spec.quantize is None:
+            model = model.to(self.device)
         generator = torch.Generator().manual_seed(spec.seed)
         ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq_len), generator=generator)
         self.input_ids = ids.to(self.device)

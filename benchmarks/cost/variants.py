@@ -4,17 +4,18 @@ NeuroAda, and every peer that spends the same sparse or low-rank parameter budge
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
 from peft_neuroada.config import LLAMA_STYLE_TARGETS
-from peft_neuroada.train.default_model import load_default_model
+from peft_neuroada.train.default_model import cache_root, default_model_path, load_default_model
 
 # The issue's budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.
 BUDGET_K = 20
@@ -46,13 +47,35 @@ RANDOM_CONFIGS = {
 # --------------------------------------------------------------------------------------------------- models
 
 
-def build_model(name: str, dtype: torch.dtype) -> PreTrainedModel:
-    """The real SmolLM2-135M, or a seeded random Llama (weights need not be trained to cost the same)."""
+QUANTIZATIONS = {
+    # QLoRA's base: 4-bit NormalFloat weights, double quantization, compute in the model's dtype.
+    "nf4": lambda dtype: BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+    ),
+}
+
+
+def build_model(name: str, dtype: torch.dtype, quantize: str | None = None) -> PreTrainedModel:
+    """The real SmolLM2-135M, or a seeded random Llama (weights need not be trained to cost the same); with
+    `quantize`, loaded through bitsandbytes as a QLoRA user would."""
+    if quantize is not None:
+        path = default_model_path() if name == "smollm2" else saved_random_model(name)
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, quantization_config=QUANTIZATIONS[quantize](dtype)
+        )
     if name == "smollm2":
         model, _ = load_default_model(dtype=dtype)
         return model
     torch.manual_seed(0)
     return LlamaForCausalLM(RANDOM_CONFIGS[name]).to(dtype)
+
+
+def saved_random_model(name: str) -> Path:
+    """The seeded random model saved once under the cache, so every process can load it quantized."""
+    path = cache_root() / "benchmarks" / name
+    if not (path / "config.json").exists():
+        build_model(name, torch.float32).save_pretrained(path)
+    return path
 
 
 def targeted_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
