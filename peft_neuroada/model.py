@@ -135,6 +135,16 @@ class NeuroAdaModel(BaseTuner):
             )
         return Linear(target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key)
 
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        """peft's, except that the biases of an adapter loaded for inference (`is_trainable=False`) stay frozen like
+        its deltas: nothing trains, and its layers keep the in-place path, which needs a frozen bias."""
+        super()._mark_only_adapters_as_trainable(model)
+        for name in self.active_adapters:
+            config = self.peft_config[name]
+            if config.bias != "none" and config.inference_mode:
+                for bias in trained_biases(model, config.bias):
+                    bias.requires_grad = False
+
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
         mark_shared_weights(self.model)
@@ -251,10 +261,7 @@ class NeuroAdaModel(BaseTuner):
         """The adapter's tensors, with index buffers shrunk to the smallest dtype that holds them (int16 mostly)."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
-        return {
-            key: _compact(value) if key.rsplit(".", 2)[-2] in _INDEX_BUFFERS else value
-            for key, value in selected.items()
-        }
+        return {key: _compact(value) if _is_index_buffer(key) else value for key, value in selected.items()}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
@@ -277,6 +284,13 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
         )
     config = _maybe_include_all_linear_layers(config, model)
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
+
+
+def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
+    """The biases a config's `bias` option trains, chosen as peft's BaseTuner chooses them."""
+    if bias == "all":
+        return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
+    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
 
 
 def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
@@ -333,6 +347,13 @@ def _entries_of_wrapped_layers(
             if key in state_dict:
                 entries[key] = state_dict[key]
     return entries
+
+
+def _is_index_buffer(key: str) -> bool:
+    """Whether a state-dict key (`<layer>.neuroada_indices.<adapter>`) names an index buffer; trained biases of
+    `bias="all"` can be top-level keys without dots."""
+    parts = key.rsplit(".", 2)
+    return len(parts) > 1 and parts[-2] in _INDEX_BUFFERS
 
 
 def _compact(indices: torch.Tensor) -> torch.Tensor:
