@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from peft.tuners.tuners_utils import (
@@ -18,7 +19,7 @@ from peft.tuners.tuners_utils import (
     check_target_module_exists,
     onload_layer,
 )
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
@@ -198,6 +199,120 @@ class NeuroAdaModel(BaseTuner):
         if merge:
             self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
         return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    def add_weighted_adapter(
+        self,
+        adapters: list[str],
+        weights: list[float],
+        adapter_name: str,
+        combination_type: Literal["linear"] = "linear",
+    ) -> None:
+        """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
+        the change that merging each source scaled by its weight would make to the base weights.
+
+        NeuroAda adapters add exactly only where they tune the same input connections, as adapters trained with one
+        `k` and `neuron_fraction` and the same selection on the same base model do (magnitude selection depends on the
+        base weights alone). Every check runs before the model changes, and a combination that cannot be exact is
+        refused with a ValueError (naming the layer where the indices differ). Modules in `modules_to_save` are copied
+        from the one source that saves them, unweighted; two sources saving the same module are refused, as in LoRA.
+        """
+        config = self._weighted_adapter_config(adapters, weights, adapter_name, combination_type)
+        layers = [
+            layer
+            for layer in self.model.modules()
+            if isinstance(layer, NeuroAdaLayer) and any(name in layer.neuroada_delta for name in adapters)
+        ]
+        heads = [
+            (wrapper, holders[0])
+            for wrapper in self.model.modules()
+            if isinstance(wrapper, ModulesToSaveWrapper)
+            and (holders := [name for name in adapters if name in wrapper.modules_to_save])
+        ]
+        active = copy.copy(self.active_adapter)
+        self.peft_config[adapter_name] = config
+        try:
+            self.inject_adapter(self.model, adapter_name)
+            for layer in layers:
+                layer.set_weighted_sum(adapter_name, adapters, weights)
+            for wrapper, holder in heads:
+                wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[holder].state_dict())
+        except BaseException:
+            if adapter_name in self.peft_config:
+                self.delete_adapter(adapter_name)
+            self.active_adapter = active
+            raise
+
+    def _weighted_adapter_config(
+        self, adapters: list[str], weights: list[float], adapter_name: str, combination_type: str
+    ) -> NeuroAdaConfig:
+        """The config of `add_weighted_adapter`'s new adapter, after checking that the combination is exact."""
+        if combination_type != "linear":
+            raise ValueError(
+                f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): their "
+                "deltas add exactly where they share their indices, and no low-rank form exists to take an SVD of."
+            )
+        if adapter_name in self.peft_config:
+            raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
+        if not adapters or len(weights) != len(adapters):
+            raise ValueError(
+                f"add_weighted_adapter needs one weight per adapter (got {len(adapters)} adapters and "
+                f"{len(weights)} weights)."
+            )
+        for name in adapters:
+            if name not in self.peft_config:
+                raise ValueError(f"Adapter {name} does not exist")
+        configs = [self.peft_config[name] for name in adapters]
+        for name, source in zip(adapters, configs, strict=True):
+            if source.bias != "none":
+                raise ValueError(
+                    f"Cannot weight adapter '{name}': it trains biases (bias={source.bias!r}), which live in the base "
+                    "model, apply to every adapter and cannot be scaled. Combine adapters trained with bias='none'."
+                )
+        shapes = {(source.k, source.neuron_fraction) for source in configs}
+        if len(shapes) > 1:
+            listed = ", ".join(
+                f"'{name}': k={source.k}, neuron_fraction={source.neuron_fraction}"
+                for name, source in zip(adapters, configs, strict=True)
+            )
+            raise ValueError(
+                f"Cannot combine NeuroAda adapters with different k or neuron_fraction ({listed}): their deltas have "
+                "different shapes and tune different input connections. Combine adapters trained with the same ones."
+            )
+        shared_heads = [
+            wrapper
+            for wrapper in self.model.modules()
+            if isinstance(wrapper, ModulesToSaveWrapper) and sum(n in wrapper.modules_to_save for n in adapters) > 1
+        ]
+        if shared_heads:
+            raise ValueError(
+                "Cannot add weighted adapters if they target the same module with modules_to_save, but found "
+                f"{len(shared_heads)} such instance(s)."
+            )
+        layers = {}
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, NeuroAdaLayer) and any(adapter in layer.neuroada_delta for adapter in adapters):
+                if conflict := layer.placement_conflict(adapters):
+                    raise ValueError(
+                        f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices "
+                        "differ), so no single set of k deltas per neuron holds their sum. Combine adapters trained "
+                        "with the same k, neuron_fraction and selection on the same base model, or activate them "
+                        "together instead (`model.base_model.set_adapter([...])`), which adds them at weight 1."
+                    )
+                layers[name] = layer
+        return self._config_for_layers(configs, set(layers))
+
+    def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
+        """The first source's config, with every source's `modules_to_save`, targeting exactly `layer_names`: by the
+        first source's own targets where they do, else by the layers' exact names."""
+        config = copy.deepcopy(sources[0])
+        saved = [module for source in sources for module in source.modules_to_save or ()]
+        config.modules_to_save = list(dict.fromkeys(saved)) or None
+        inside_layers = tuple(f"{name}." for name in layer_names)
+        targeted = {name for name, _ in targeted_modules(self.model, config) if not name.startswith(inside_layers)}
+        if targeted != layer_names:
+            config.target_modules = "|".join(re.escape(name) for name in sorted(layer_names))
+            config.exclude_modules = config.layers_to_transform = config.layers_pattern = None
+        return config
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
