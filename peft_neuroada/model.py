@@ -216,17 +216,11 @@ class NeuroAdaModel(BaseTuner):
         refused with a ValueError (naming the layer where the indices differ). Modules in `modules_to_save` are copied
         from the one source that saves them, unweighted; two sources saving the same module are refused, as in LoRA.
         """
-        config = self._weighted_adapter_config(adapters, weights, adapter_name, combination_type)
-        layers = [
-            layer
-            for layer in self.model.modules()
-            if isinstance(layer, NeuroAdaLayer) and any(name in layer.neuroada_delta for name in adapters)
-        ]
+        config, layers = self._checked_weighted_adapter(adapters, weights, adapter_name, combination_type)
         heads = [
-            (wrapper, holders[0])
+            (wrapper, next(name for name in adapters if name in wrapper.modules_to_save))
             for wrapper in self.model.modules()
-            if isinstance(wrapper, ModulesToSaveWrapper)
-            and (holders := [name for name in adapters if name in wrapper.modules_to_save])
+            if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
         ]
         active = copy.copy(self.active_adapter)
         self.peft_config[adapter_name] = config
@@ -242,10 +236,11 @@ class NeuroAdaModel(BaseTuner):
             self.active_adapter = active
             raise
 
-    def _weighted_adapter_config(
+    def _checked_weighted_adapter(
         self, adapters: list[str], weights: list[float], adapter_name: str, combination_type: str
-    ) -> NeuroAdaConfig:
-        """The config of `add_weighted_adapter`'s new adapter, after checking that the combination is exact."""
+    ) -> tuple[NeuroAdaConfig, list[NeuroAdaLayer]]:
+        """The config of `add_weighted_adapter`'s new adapter and the layers it gets, after checking that the
+        combination is exact."""
         if combination_type != "linear":
             raise ValueError(
                 f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): their "
@@ -299,7 +294,7 @@ class NeuroAdaModel(BaseTuner):
                         "together instead (`model.base_model.set_adapter([...])`), which adds them at weight 1."
                     )
                 layers[name] = layer
-        return self._config_for_layers(configs, set(layers))
+        return self._config_for_layers(configs, set(layers)), list(layers.values())
 
     def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
         """The first source's config, with every source's `modules_to_save`, targeting exactly `layer_names`: by the

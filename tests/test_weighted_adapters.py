@@ -48,8 +48,12 @@ def adapter_state(model) -> dict:
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
 
 
-def test_weighted_adapter_equals_the_base_plus_the_weighted_dense_deltas():
-    model = two_adapters()
+SAME_PLACEMENTS = {"magnitude": {}, "half-the-neurons": {"neuron_fraction": 0.5}, "random": {"selection": "random"}}
+
+
+@pytest.mark.parametrize("config", SAME_PLACEMENTS.values(), ids=SAME_PLACEMENTS.keys())
+def test_weighted_adapter_equals_the_base_plus_the_weighted_dense_deltas(config):
+    model = two_adapters(second=config, **config)
     model.add_weighted_adapter(["one", "two"], [0.5, -2.0], "mix")
     model.set_adapter("mix")
     expected = logits(dense_reference(model, tiny_llama, {"one": 0.5, "two": -2.0}), TOKENS)
