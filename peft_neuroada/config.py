@@ -32,6 +32,8 @@ DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # peft's name for the method, and the prefix of every adapter attribute (and state-dict key) it owns.
 METHOD_NAME = "neuroada"
 PREFIX = "neuroada_"
+# peft's bias options; "<method>_only" is the name peft's BaseTuner gives the adapted layers' biases.
+BIAS_OPTIONS = ("none", "all", f"{METHOD_NAME}_only")
 
 
 @dataclass
@@ -63,7 +65,10 @@ class NeuroAdaConfig(PeftConfig):
             corrected automatically with a warning.
         init_weights: True (default) starts every delta at zero, so the adapted model equals the base model. False
             draws small random deltas, which is only useful for tests.
-        bias: Only `"none"` is supported: NeuroAda never trains biases.
+        bias: Which biases train beside the deltas, as in LoRA: `"none"` (the paper's setting), `"all"` (every bias of
+            the model) or `"neuroada_only"` (the biases of the adapted layers). Trained biases are the base layers'
+            own, so they are saved with the adapter and need nothing to merge; only one adapter of a model may train
+            them (peft's rule), and `disable_adapter()` does not undo them.
         delta_dtype: Storage dtype of the deltas (`"float32"`, `"bfloat16"`, `"float16"`). None keeps peft's
             behaviour: deltas follow the base weight dtype and are upcast to float32 unless `autocast_adapter_dtype`
             is False.
@@ -91,7 +96,9 @@ class NeuroAdaConfig(PeftConfig):
     neuron_fraction: float = field(default=1.0, metadata={"help": "Share of neurons per layer that are tuned."})
     fan_in_fan_out: bool = field(default=False, metadata={"help": "True if the layer stores weight as (in, out)."})
     init_weights: bool = field(default=True, metadata={"help": "Zero deltas (True) or small random ones for tests."})
-    bias: Literal["none"] = field(default="none", metadata={"help": "NeuroAda trains no biases."})
+    bias: Literal["none", "all", "neuroada_only"] = field(
+        default="none", metadata={"help": "Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'."}
+    )
     delta_dtype: str | None = field(default=None, metadata={"help": "float32, bfloat16 or float16."})
     inplace_forward: bool = field(
         default=True, metadata={"help": "Fold deltas into the frozen weight during each matmul (restored exactly)."}
@@ -109,8 +116,8 @@ class NeuroAdaConfig(PeftConfig):
             raise ValueError(f"NeuroAdaConfig.selection must be one of {STRATEGIES} (got {self.selection!r}).")
         if not 0.0 < self.neuron_fraction <= 1.0:
             raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
-        if self.bias != "none":
-            raise ValueError(f"NeuroAdaConfig.bias must be 'none' (got {self.bias!r}): NeuroAda never trains biases.")
+        if self.bias not in BIAS_OPTIONS:
+            raise ValueError(f"NeuroAdaConfig.bias must be one of {BIAS_OPTIONS} (got {self.bias!r}).")
         if self.delta_dtype is not None and self.delta_dtype not in DELTA_DTYPES:
             raise ValueError(
                 f"NeuroAdaConfig.delta_dtype must be one of {sorted(DELTA_DTYPES)} or None (got {self.delta_dtype!r})."

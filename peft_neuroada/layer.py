@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -151,6 +153,30 @@ class NeuroAdaLayer(BaseTunerLayer):
         with torch.no_grad():
             delta.copy_(self._initial_delta(adapter_name, *delta.shape, delta.dtype))
 
+    def placement_conflict(self, adapters: Sequence[str]) -> str | None:
+        """Why the deltas of `adapters` in this layer do not sit on the same weight entries, or None (they do, or at
+        most one of them adapts this layer): only then does a weighted sum of them stay exactly a NeuroAda adapter."""
+        present = [name for name in adapters if name in self.neuroada_delta]
+        for other in present[1:]:
+            if not _same_placement(self.placement(present[0]), self.placement(other)):
+                return f"adapters '{present[0]}' and '{other}' tune different input connections"
+        return None
+
+    def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
+        """Make adapter `adapter_name` (already added here) `Σ weights[i] · adapters[i]`: their shared placement and
+        the weighted sum of their deltas, summed in at least float32 and stored in the first source's dtype (adapters
+        this layer lacks add nothing)."""
+        sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
+        deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
+        dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
+        total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
+        placement = self.placement(sources[0][0])
+        self.neuroada_indices[adapter_name] = placement.cols.clone()
+        if placement.rows is not None:
+            self.neuroada_rows[adapter_name] = placement.rows.clone()
+        requires_grad = self.neuroada_delta[adapter_name].requires_grad
+        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(deltas[0].dtype), requires_grad=requires_grad)
+
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
         delta = self.neuroada_delta[adapter_name].detach()
@@ -236,6 +262,14 @@ class NeuroAdaLayer(BaseTunerLayer):
                     if name not in self.merged_adapters:
                         self.merged_adapters.append(name)
             raise
+
+
+def _same_placement(first: Placement, second: Placement) -> bool:
+    if first.rows is None or second.rows is None:
+        same_rows = first.rows is second.rows
+    else:
+        same_rows = torch.equal(first.rows.long(), second.rows.long())
+    return same_rows and torch.equal(first.cols.long(), second.cols.long())
 
 
 class Linear(nn.Module, NeuroAdaLayer):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from peft.tuners.tuners_utils import (
@@ -18,7 +19,7 @@ from peft.tuners.tuners_utils import (
     check_target_module_exists,
     onload_layer,
 )
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
@@ -135,6 +136,16 @@ class NeuroAdaModel(BaseTuner):
             )
         return Linear(target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key)
 
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        """peft's, except that the biases of an adapter loaded for inference (`is_trainable=False`) stay frozen like
+        its deltas: nothing trains, and its layers keep the in-place path, which needs a frozen bias."""
+        super()._mark_only_adapters_as_trainable(model)
+        for name in self.active_adapters:
+            config = self.peft_config[name]
+            if config.bias != "none" and config.inference_mode:
+                for bias in trained_biases(model, config.bias):
+                    bias.requires_grad = False
+
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
         mark_shared_weights(self.model)
@@ -188,6 +199,115 @@ class NeuroAdaModel(BaseTuner):
         if merge:
             self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
         return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    def add_weighted_adapter(
+        self,
+        adapters: list[str],
+        weights: list[float],
+        adapter_name: str,
+        combination_type: Literal["linear"] = "linear",
+    ) -> None:
+        """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
+        the change that merging each source scaled by its weight would make to the base weights.
+
+        NeuroAda adapters add exactly only where they tune the same input connections, as adapters trained with one
+        `k` and `neuron_fraction` and the same selection on the same base model do (magnitude selection depends on the
+        base weights alone). Every check runs before the model changes, and a combination that cannot be exact is
+        refused with a ValueError (naming the layer where the indices differ). Modules in `modules_to_save` are copied
+        from the one source that saves them, unweighted; two sources saving the same module are refused, as in LoRA.
+        """
+        config, layers = self._checked_weighted_adapter(adapters, weights, adapter_name, combination_type)
+        heads = [
+            (wrapper, next(name for name in adapters if name in wrapper.modules_to_save))
+            for wrapper in self.model.modules()
+            if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
+        ]
+        active = copy.copy(self.active_adapter)
+        self.peft_config[adapter_name] = config
+        try:
+            self.inject_adapter(self.model, adapter_name)
+            for layer in layers:
+                layer.set_weighted_sum(adapter_name, adapters, weights)
+            for wrapper, holder in heads:
+                wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[holder].state_dict())
+        except BaseException:
+            if adapter_name in self.peft_config:
+                self.delete_adapter(adapter_name)
+            self.active_adapter = active
+            raise
+
+    def _checked_weighted_adapter(
+        self, adapters: list[str], weights: list[float], adapter_name: str, combination_type: str
+    ) -> tuple[NeuroAdaConfig, list[NeuroAdaLayer]]:
+        """The config of `add_weighted_adapter`'s new adapter and the layers it gets, after checking that the
+        combination is exact."""
+        if combination_type != "linear":
+            raise ValueError(
+                f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): their "
+                "deltas add exactly where they share their indices, and no low-rank form exists to take an SVD of."
+            )
+        if adapter_name in self.peft_config:
+            raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
+        if not adapters or len(weights) != len(adapters):
+            raise ValueError(
+                f"add_weighted_adapter needs one weight per adapter (got {len(adapters)} adapters and "
+                f"{len(weights)} weights)."
+            )
+        for name in adapters:
+            if name not in self.peft_config:
+                raise ValueError(f"Adapter {name} does not exist")
+        configs = [self.peft_config[name] for name in adapters]
+        for name, source in zip(adapters, configs, strict=True):
+            if source.bias != "none":
+                raise ValueError(
+                    f"Cannot weight adapter '{name}': it trains biases (bias={source.bias!r}), which live in the base "
+                    "model, apply to every adapter and cannot be scaled. Combine adapters trained with bias='none'."
+                )
+        shapes = {(source.k, source.neuron_fraction) for source in configs}
+        if len(shapes) > 1:
+            listed = ", ".join(
+                f"'{name}': k={source.k}, neuron_fraction={source.neuron_fraction}"
+                for name, source in zip(adapters, configs, strict=True)
+            )
+            raise ValueError(
+                f"Cannot combine NeuroAda adapters with different k or neuron_fraction ({listed}): their deltas have "
+                "different shapes and tune different input connections. Combine adapters trained with the same ones."
+            )
+        shared_heads = [
+            wrapper
+            for wrapper in self.model.modules()
+            if isinstance(wrapper, ModulesToSaveWrapper) and sum(n in wrapper.modules_to_save for n in adapters) > 1
+        ]
+        if shared_heads:
+            raise ValueError(
+                "Cannot add weighted adapters if they target the same module with modules_to_save, but found "
+                f"{len(shared_heads)} such instance(s)."
+            )
+        layers = {}
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, NeuroAdaLayer) and any(adapter in layer.neuroada_delta for adapter in adapters):
+                if conflict := layer.placement_conflict(adapters):
+                    raise ValueError(
+                        f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices "
+                        "differ), so no single set of k deltas per neuron holds their sum. Combine adapters trained "
+                        "with the same k, neuron_fraction and selection on the same base model, or activate them "
+                        "together instead (`model.base_model.set_adapter([...])`), which adds them at weight 1."
+                    )
+                layers[name] = layer
+        return self._config_for_layers(configs, set(layers)), list(layers.values())
+
+    def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
+        """The first source's config, with every source's `modules_to_save`, targeting exactly `layer_names`: by the
+        first source's own targets where they do, else by the layers' exact names."""
+        config = copy.deepcopy(sources[0])
+        saved = [module for source in sources for module in source.modules_to_save or ()]
+        config.modules_to_save = list(dict.fromkeys(saved)) or None
+        inside_layers = tuple(f"{name}." for name in layer_names)
+        targeted = {name for name, _ in targeted_modules(self.model, config) if not name.startswith(inside_layers)}
+        if targeted != layer_names:
+            config.target_modules = "|".join(re.escape(name) for name in sorted(layer_names))
+            config.exclude_modules = config.layers_to_transform = config.layers_pattern = None
+        return config
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
@@ -251,10 +371,7 @@ class NeuroAdaModel(BaseTuner):
         """The adapter's tensors, with index buffers shrunk to the smallest dtype that holds them (int16 mostly)."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
-        return {
-            key: _compact(value) if key.rsplit(".", 2)[-2] in _INDEX_BUFFERS else value
-            for key, value in selected.items()
-        }
+        return {key: _compact(value) if _is_index_buffer(key) else value for key, value in selected.items()}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
@@ -277,6 +394,13 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
         )
     config = _maybe_include_all_linear_layers(config, model)
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
+
+
+def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
+    """The biases a config's `bias` option trains, chosen as peft's BaseTuner chooses them."""
+    if bias == "all":
+        return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
+    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
 
 
 def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
@@ -333,6 +457,13 @@ def _entries_of_wrapped_layers(
             if key in state_dict:
                 entries[key] = state_dict[key]
     return entries
+
+
+def _is_index_buffer(key: str) -> bool:
+    """Whether a state-dict key (`<layer>.neuroada_indices.<adapter>`) names an index buffer; trained biases of
+    `bias="all"` can be top-level keys without dots."""
+    parts = key.rsplit(".", 2)
+    return len(parts) > 1 and parts[-2] in _INDEX_BUFFERS
 
 
 def _compact(indices: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def test_config_roundtrips_through_json(tmp_path):
     [
         ({"k": 0}, "k must be a positive integer"),
         ({"k": 2.5}, "k must be a positive integer"),
-        ({"bias": "all"}, "bias must be 'none'"),
+        ({"bias": "lora_only"}, "bias must be one of"),
         ({"delta_dtype": "int8"}, "delta_dtype must be one of"),
         ({"layers_pattern": "layers"}, "only has an effect together with layers_to_transform"),
         ({"neuron_fraction": 0}, r"neuron_fraction must be in \(0, 1\]"),

@@ -38,6 +38,11 @@ def trainable_weight(base: nn.Linear) -> nn.Linear:
     return base.requires_grad_(True)
 
 
+def trainable_bias(base: nn.Linear) -> nn.Linear:
+    base.bias.requires_grad_(True)
+    return base
+
+
 def hooked(base: nn.Linear) -> nn.Linear:
     base.register_forward_hook(lambda module, args, out: out)
     return base
@@ -49,6 +54,7 @@ SITUATIONS = {
     "tensor-subclass": (subclass_weight, "the weight is a Tagged", "general"),
     "view-into-larger-buffer": (view_into_a_larger_buffer, "a view into a larger buffer", "direct"),
     "trainable-weight": (trainable_weight, "the base layer trains", "general"),
+    "trainable-bias": (trainable_bias, "the base layer trains", "general"),
     "forward-hook": (hooked, "forward hooks", "general"),
 }
 

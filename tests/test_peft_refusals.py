@@ -1,0 +1,87 @@
+"""What peft itself refuses for NeuroAda adapters, with peft's exact error, and what to do instead.
+
+peft's hotswapping (`peft.utils.hotswap`) and `PeftMixedModel` accept only the method types listed inside peft, so
+NeuroAda cannot join them from outside. Swapping an adapter's values in place does what hotswapping is for, and
+merging NeuroAda first lets another method train on top.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from peft import LoraConfig, PeftMixedModel, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.utils import load_peft_weights
+from peft.utils.hotswap import hotswap_adapter, prepare_model_for_compiled_hotswap
+
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import logits, neuroada_layers, tiny_llama
+
+TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+MIXED_REFUSAL = re.escape("The provided `peft_type` 'NEUROADA' is not compatible with the `PeftMixedModel`.")
+
+
+@pytest.fixture
+def two_saved_adapters(tmp_path):
+    """Two saved k=2 adapters for tiny_llama with different deltas and different indices (magnitude, random)."""
+    paths = []
+    for seed, selection in [(1, "magnitude"), (2, "random")]:
+        torch.manual_seed(seed)
+        config = NeuroAdaConfig(k=2, init_weights=False, selection=selection)
+        get_peft_model(tiny_llama(), config).save_pretrained(tmp_path / selection)
+        paths.append(tmp_path / selection)
+    return paths
+
+
+def test_peft_hotswap_refuses_neuroada_adapters(two_saved_adapters):
+    first, second = two_saved_adapters
+    model = PeftModel.from_pretrained(tiny_llama(), first)
+    with pytest.raises(ValueError, match="Hotswapping only supports LORA but NEUROADA was passed."):
+        hotswap_adapter(model, str(second), adapter_name="default", torch_device="cpu")
+    with pytest.raises(ValueError, match="No adapter layers found on the model"):
+        prepare_model_for_compiled_hotswap(model)
+
+
+def test_loading_new_values_into_an_adapter_swaps_it_in_place_without_recompiling(two_saved_adapters):
+    """What hotswapping does for LoRA: same adapter name and tensors, new values (and indices), no recompilation."""
+    first, second = two_saved_adapters
+    expected = logits(PeftModel.from_pretrained(tiny_llama(), second), TOKENS)
+    model = PeftModel.from_pretrained(tiny_llama(), first)
+    tensors = [id(layer.neuroada_delta["default"]) for layer in neuroada_layers(model)]
+    compiled = torch.compile(model, backend="eager")
+    before = logits(compiled, TOKENS)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        set_peft_model_state_dict(model, load_peft_weights(str(second)), adapter_name="default")
+        after = logits(compiled, TOKENS)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, expected)
+    assert [id(layer.neuroada_delta["default"]) for layer in neuroada_layers(model)] == tensors
+
+
+def test_swapping_in_an_adapter_that_does_not_fit_is_refused_naming_the_layer(two_saved_adapters, tmp_path):
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=3)).save_pretrained(tmp_path / "k3")
+    model = PeftModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
+    before = logits(model, TOKENS)
+    with pytest.raises(ValueError, match="does not fit the base model at layer 'base_model.model.model.layers.0"):
+        set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / "k3")), adapter_name="default")
+    assert torch.equal(logits(model, TOKENS), before)
+
+
+def test_peft_mixed_model_refuses_neuroada_adapters(two_saved_adapters):
+    with pytest.raises(ValueError, match=MIXED_REFUSAL):
+        get_peft_model(tiny_llama(), NeuroAdaConfig(k=2), mixed=True)
+    with pytest.raises(ValueError, match=MIXED_REFUSAL):
+        PeftMixedModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
+    mixed = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]), mixed=True)
+    with pytest.raises(ValueError, match=MIXED_REFUSAL):
+        mixed.add_adapter("neuroada", NeuroAdaConfig(k=2))
+
+
+def test_instead_of_mixing_merge_neuroada_then_add_another_method(two_saved_adapters):
+    neuroada = PeftModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
+    expected = logits(neuroada, TOKENS)
+    merged = neuroada.merge_and_unload()
+    with_lora = get_peft_model(merged, LoraConfig(target_modules=["q_proj", "v_proj"]))
+    torch.testing.assert_close(logits(with_lora, TOKENS), expected)
+    assert any("lora_" in name for name, p in with_lora.named_parameters() if p.requires_grad)
