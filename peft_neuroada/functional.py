@@ -54,8 +54,9 @@ _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
 def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
     """Why `F.linear(x, weight, base.bias)` may not stand in for `base(x)`, or None (the direct path's condition).
 
-    It may for a plain, frozen `nn.Linear`/`Conv1D` whose forward nothing observes, with a plain dense floating-point
-    weight in memory, outside `torch.compile` and tracing (those see the base layer's own forward).
+    It may for a plain `nn.Linear`/`Conv1D` with a frozen weight whose forward nothing observes, with a plain dense
+    floating-point weight in memory, outside `torch.compile` and tracing (those see the base layer's own forward). A
+    trained bias (`bias="all"`) is fine: both paths return its gradient.
     """
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return "the graph is being traced"
@@ -65,8 +66,8 @@ def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
         return f"the weight is a {type(base.weight).__name__}"
     if weight.layout != torch.strided or not weight.dtype.is_floating_point or weight.is_meta:
         return "the weight is not a dense floating-point tensor in memory"
-    if weight.requires_grad or (base.bias is not None and base.bias.requires_grad):
-        return "the base layer trains"
+    if weight.requires_grad:
+        return "the base layer's weight trains"
     if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
         return "the base layer has forward hooks"
     return None
@@ -262,6 +263,11 @@ def _times_weight(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return grad_out @ weight.to(grad_out.dtype)
 
 
+def _bias_grad(ctx, grad2d: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of a trained base bias (`bias="all"`): the output gradient summed over tokens."""
+    return grad2d.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+
+
 def merged_linear(x, weight, bias, lock, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, W + scatter(deltas), b)` on the frozen weight's own storage, with no autograd bookkeeping."""
     with lock:
@@ -277,6 +283,7 @@ class InplaceMergedLinear(torch.autograd.Function):
         ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
         # The weight is not saved as a tensor: its version changes with every visit, and backward patches it again.
         ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
@@ -288,8 +295,9 @@ class InplaceMergedLinear(torch.autograd.Function):
                 input_grad = functools.partial(_times_weight, grad_out, ctx.weight)
                 grad_x = _with_deltas_added(ctx.weight, ctx.placements, deltas, input_grad)
             grad_x = grad_x.to(ctx.input_dtype)
-        grad_deltas = _delta_grads(ctx, x_saved, _flatten(grad_out), deltas, ctx.needs_input_grad[5:])
-        return grad_x, None, None, None, None, *grad_deltas
+        grad2d = _flatten(grad_out)
+        grad_deltas = _delta_grads(ctx, x_saved, grad2d, deltas, ctx.needs_input_grad[5:])
+        return grad_x, None, _bias_grad(ctx, grad2d), None, None, *grad_deltas
 
 
 def direct_linear(x, weight, bias, lock, placements: Sequence[Placement], *deltas: torch.Tensor) -> torch.Tensor:
@@ -311,6 +319,7 @@ class DirectLinear(torch.autograd.Function):
         out = direct_linear(x, weight, bias, lock, placements, *deltas)
         ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
         ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
@@ -325,7 +334,7 @@ class DirectLinear(torch.autograd.Function):
             for placement, delta in zip(ctx.placements, deltas, strict=True):
                 kernels.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in, out=grad_x2d)
         grad_deltas = _delta_grads(ctx, x_saved, grad2d, deltas, ctx.needs_input_grad[5:])
-        return grad_x, None, None, None, None, *grad_deltas
+        return grad_x, None, _bias_grad(ctx, grad2d), None, None, *grad_deltas
 
 
 @torch.library.custom_op("neuroada::bypass_input_grad", mutates_args=())
