@@ -67,7 +67,7 @@ def test_help_lists_the_subcommands(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert all(command in out for command in ("train", "eval", "compare", "demo"))
+    assert all(command in out for command in ("train", "eval", "compare", "demo", "prompts", "score"))
 
 
 def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama_dir, tmp_path):

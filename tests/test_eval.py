@@ -1,4 +1,5 @@
-"""Answer extraction and scoring as in the paper (LLM-Adapters), batched greedy generation, results files."""
+"""The lenient protocol's answer extraction and scoring (after LLM-Adapters), batched greedy generation, results
+files (the paper protocol's rules are specified in test_protocol.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from peft_neuroada.train.answers import NO_ANSWER, AnswerRule, answer_rule
 from peft_neuroada.train.data import Example, dataset_file, load_examples
 from peft_neuroada.train.evaluate import evaluate_tasks, generate_responses, write_results
+from peft_neuroada.train.scoring import read_predictions, score_predictions
 from tests.shared_data import shared_datasets
 
 
@@ -35,7 +37,7 @@ from tests.shared_data import shared_datasets
         ("AQuA", "the correct answer is c", NO_ANSWER),
     ],
 )
-def test_paper_answer_extraction(task, response, expected):
+def test_lenient_answer_extraction(task, response, expected):
     assert answer_rule(task, []).extract(response) == expected
 
 
@@ -99,20 +101,25 @@ def test_evaluation_writes_accuracy_per_task_average_and_predictions(smollm2, sm
     assert all(0 <= r.accuracy <= 1 and r.correct == sum(p.correct for p in r.predictions) for r in results)
     write_results(results, tmp_path, {"method": "base model"})
     summary = json.loads((tmp_path / "results.json").read_text())
-    assert summary["method"] == "base model"
+    assert summary["method"] == "base model" and summary["protocol"] == "lenient"
     assert summary["tasks"]["boolq"]["total"] == 3
     assert summary["average"] == pytest.approx((results[0].accuracy + results[1].accuracy) / 2)
     rows = list(csv.reader((tmp_path / "results.csv").open()))
-    assert rows[0] == ["task", "accuracy", "correct", "total"] and [row[0] for row in rows[1:]] == [
-        "boolq",
-        "gsm8k",
-        "average",
-    ]
+    assert rows[0] == ["task", "accuracy", "correct", "total", "protocol"]
+    assert [row[0] for row in rows[1:]] == ["boolq", "gsm8k", "average"] and {row[-1] for row in rows[1:]} == {
+        "lenient"
+    }
     predictions = [json.loads(line) for line in (tmp_path / "predictions_gsm8k.jsonl").open()]
     assert len(predictions) == 3 and set(predictions[0]) == {
+        "task",
+        "protocol",
         "instruction",
+        "prompt",
         "response",
         "prediction",
         "answer",
         "correct",
     }
+    assert predictions[0]["task"] == "gsm8k" and predictions[0]["prompt"].endswith("### Response:\n")
+    saved = read_predictions([tmp_path / "predictions_boolq.jsonl", tmp_path / "predictions_gsm8k.jsonl"])
+    assert score_predictions(saved, "lenient") == saved, "re-scoring reproduces the evaluation"

@@ -30,6 +30,9 @@ def test_paper_recipes_cover_every_model_task_and_k_with_the_papers_protocol():
                 assert recipe.training.epochs == 3 and recipe.data.max_length == 512
                 assert recipe.data.train == [train] and len(recipe.evaluation.tasks) == n_tests
                 assert recipe.evaluation.size is None and recipe.dtype == "bfloat16"
+                assert recipe.protocol == "paper"
+                budgets = recipe.evaluation.max_new_tokens
+                assert (budgets["options"], budgets["number"]) == (32, 512), "official commonsense / math budgets"
             assert top1.training.learning_rate > top20.training.learning_rate
 
 
@@ -41,6 +44,7 @@ def test_small_recipes_compare_neuroada_and_lora_on_identical_data_and_evaluatio
     assert [r.method.label for r in recipes] == ["neuroada k=1", "neuroada k=20", "lora r=1", "lora r=8"]
     assert all(r.model == "default" for r in recipes)
     assert len({(str(r.data), str(r.evaluation), r.training.max_steps, r.training.epochs) for r in recipes}) == 1
+    assert {r.protocol for r in recipes} == {"lenient"}
     assert len({r.output_dir for r in recipes}) == 4
 
 
@@ -53,6 +57,14 @@ def test_extends_overrides_and_float_strings(tmp_path):
     assert recipe.training.learning_rate == 5e-4 and isinstance(recipe.training.learning_rate, float)
     assert recipe.evaluation.tasks == ["gsm8k", "AQuA"]
     assert recipe.output_dir == "outputs/child" and recipe.adapter_dir == Path("outputs/child/adapter")
+
+
+def test_the_protocol_is_a_top_level_choice_of_two(tmp_path):
+    (tmp_path / "r.yaml").write_text("model: default\n")
+    assert load_recipe(tmp_path / "r.yaml").protocol == "lenient"
+    assert load_recipe(tmp_path / "r.yaml", ["protocol=paper"]).protocol == "paper"
+    with pytest.raises(ValueError, match=r"protocol must be one of \['lenient', 'paper'\]"):
+        load_recipe(tmp_path / "r.yaml", ["protocol=official"])
 
 
 def test_typos_are_errors_not_silently_ignored(tmp_path):

@@ -1,4 +1,4 @@
-"""Answer extraction and scoring as in LLM-Adapters' evaluators, which NeuroAda's paper reports with.
+"""The lenient protocol's answer extraction and scoring, after LLM-Adapters' evaluators.
 
 Commonsense tasks: the first option word of the task's answer format in the response (`answer1`, `true`,
 `solution2`, ...). Arithmetic tasks: the last number in the response, correct within 1e-3. AQuA: the first option
@@ -30,8 +30,16 @@ ARITHMETIC_TASKS = ("gsm8k", "MultiArith", "AddSub", "SingleEq", "SVAMP", "mawps
 LETTER_TASKS: dict[str, tuple[str, ...]] = {"AQuA": ("A", "B", "C", "D", "E")}
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_ANSWER_FORMAT = re.compile(r"Answer format:\s*(\S+(?:/\S+)+)")
+ANSWER_FORMAT = re.compile(r"Answer format:\s*(\S+(?:/\S+)+)")
 NO_ANSWER = ""
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What a protocol read from one response, and whether it matches the gold answer."""
+
+    prediction: str
+    correct: bool
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ def answer_rule(task: str, examples: list[Example]) -> AnswerRule:
         return AnswerRule(LETTER_TASKS[task], case_sensitive=True)
     if task in ARITHMETIC_TASKS:
         return AnswerRule(None)
-    formats = {match.group(1) for example in examples if (match := _ANSWER_FORMAT.search(example.instruction))}
+    formats = {match.group(1) for example in examples if (match := ANSWER_FORMAT.search(example.instruction))}
     if formats:
         return AnswerRule(tuple(sorted({option for line in formats for option in line.split("/")})))
     if examples and all(_NUMBER.fullmatch(example.answer.replace(",", "")) for example in examples):

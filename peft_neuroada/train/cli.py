@@ -1,4 +1,5 @@
-"""The `neuroada` console command: `train`, `eval`, `compare` recipes from configs/, and the `demo` main job."""
+"""The `neuroada` console command: `train`, `eval`, `compare` recipes from configs/, the `demo` main job, and
+`prompts` / `score` to inspect a protocol's prompts and re-score saved predictions."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from .protocols import PROTOCOLS
 from .recipes import load_recipe
 
 _SET_HELP = "override a recipe value, e.g. --set training.max_steps=20 --set data.dir=/data (repeatable)"
@@ -36,6 +38,19 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--output", type=Path, default=Path("outputs/compare"), help="where comparison.* go")
     compare.add_argument("--no-base", action="store_true", help="do not evaluate the untrained base model")
 
+    prompts = commands.add_parser(
+        "prompts", help="print the exact prompt the model is given for the first N test examples, as JSON lines"
+    )
+    prompts.add_argument("--data-dir", type=Path, required=True, help="folder holding TASK/test.json")
+    prompts.add_argument("--task", required=True, help="test set name, e.g. boolq or gsm8k")
+    prompts.add_argument("--n", type=int, required=True, help="how many examples, from the start of the file")
+    prompts.add_argument("--protocol", choices=sorted(PROTOCOLS), default="lenient", help="default: lenient")
+
+    score = commands.add_parser("score", help="re-score saved predictions (JSON lines, e.g. eval's predictions files)")
+    score.add_argument("predictions", type=Path, nargs="+", help="files with task, prompt, response, answer per line")
+    score.add_argument("--protocol", choices=sorted(PROTOCOLS), required=True)
+    score.add_argument("--out", type=Path, required=True, help="where the lines go, each with `correct` set")
+
     demo = commands.add_parser("demo", help="the main job: NeuroAda on SmolLM2-135M, generated tasks, ~5 min on CPU")
     demo.add_argument("--output", type=Path, default=Path("outputs/neuroada-demo"))
     demo.add_argument("--steps", type=int, default=80)
@@ -60,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "compare":
         recipes = [load_recipe(config, args.overrides) for config in args.configs]
         runs.compare(recipes, args.output, include_base=not args.no_base)
+    elif args.command == "prompts":
+        runs.print_prompts(args.data_dir, args.task, args.n, args.protocol)
+    elif args.command == "score":
+        runs.rescore(args.predictions, args.protocol, args.out)
     else:
         from .demo import print_report, run_demo
 

@@ -1,4 +1,5 @@
-"""YAML recipes: which model, which adapter method, which data, how to train and how to evaluate.
+"""YAML recipes: which model, which adapter method, which data, how to train and how to evaluate, and under which
+protocol (`paper` or `lenient`, see protocols.py) both are done.
 
 A recipe file mirrors the dataclasses below section by section; unknown keys are errors so a typo cannot be
 silently ignored. `extends: other.yaml` starts from another recipe, so method variants share one base file.
@@ -19,6 +20,8 @@ import yaml
 from peft import LoraConfig, PeftConfig
 
 from peft_neuroada import NeuroAdaConfig
+
+from .protocols import PROTOCOLS
 
 
 @dataclass
@@ -82,7 +85,10 @@ class TrainingSpec:
 
 @dataclass
 class EvaluationSpec:
-    """Test sets scored after training; `size` random examples per task (all if null)."""
+    """Test sets scored after training; `size` random examples per task (all if null). Of the two generation
+    budgets the lenient protocol gives `options` to tasks whose answer is an option (AQuA's letters too) and
+    `number` to arithmetic; the paper protocol gives `options` to commonsense and `number` to math tasks (AQuA
+    included), as the official code's 32 and 512 new tokens."""
 
     tasks: list[str] = field(default_factory=list)
     size: int | None = None
@@ -99,16 +105,22 @@ class EvaluationSpec:
 @dataclass
 class Recipe:
     """One fine-tuning run. `model` is a local path / hub id, or `default` for the embedded SmolLM2-135M-Instruct;
-    `dtype` is the dtype its frozen weights are loaded in (bf16 mixed precision is `training.bf16`)."""
+    `dtype` is the dtype its frozen weights are loaded in (bf16 mixed precision is `training.bf16`). `protocol`
+    decides prompts, tokenisation, generation budgets and scoring, for training and evaluation alike."""
 
     name: str
     output_dir: str
     model: str = "default"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    protocol: Literal["paper", "lenient"] = "lenient"
     method: MethodSpec = field(default_factory=MethodSpec)
     data: DataSpec = field(default_factory=DataSpec)
     training: TrainingSpec = field(default_factory=TrainingSpec)
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
 
     @property
     def adapter_dir(self) -> Path:

@@ -1,4 +1,5 @@
-"""What the `neuroada` subcommands do: train and evaluate recipes, evaluate saved adapters, compare methods."""
+"""What the `neuroada` subcommands do: train and evaluate recipes, evaluate saved adapters, compare methods, show
+a protocol's prompts and re-score saved predictions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .data import dataset_file, load_examples
 from .evaluate import TaskResult, average_accuracy, evaluate_tasks, write_results
 from .models import load_adapted_model, load_base_model
+from .protocols import get_protocol
 from .recipes import Recipe
+from .scoring import accuracy_by_task, read_predictions, score_predictions, write_predictions
 from .training import fine_tune
 
 
@@ -22,6 +26,7 @@ class RunSummary:
 
     label: str
     results: list[TaskResult]
+    protocol: str
     trainable_parameters: int = 0
     steps: int = 0
     train_seconds: float = 0.0
@@ -42,11 +47,19 @@ def evaluate_recipe_model(
     if not spec.tasks:
         return []
     results = evaluate_tasks(
-        model, tokenizer, recipe.data.dir, spec.tasks, spec.size, spec.seed, spec.batch_size, spec.max_new_tokens
+        model,
+        tokenizer,
+        recipe.data.dir,
+        spec.tasks,
+        spec.size,
+        spec.seed,
+        spec.batch_size,
+        spec.max_new_tokens,
+        recipe.protocol,
     )
     metadata = {"recipe": recipe.name, "model": recipe.model, "method": label, "eval_size_per_task": spec.size}
     path = write_results(results, output_dir, metadata)
-    print(format_table([RunSummary(label, results)]))
+    print(format_table([RunSummary(label, results, recipe.protocol)]))
     print(f"results written to {path}")
     return results
 
@@ -59,19 +72,27 @@ def train_and_evaluate(recipe: Recipe, evaluate: bool = True) -> RunSummary:
         results = evaluate_recipe_model(
             recipe, outcome.model, outcome.tokenizer, Path(recipe.output_dir) / "results", recipe.method.label
         )
-    return RunSummary(recipe.method.label, results, outcome.trainable_parameters, outcome.steps, outcome.seconds)
+    return RunSummary(
+        recipe.method.label,
+        results,
+        recipe.protocol,
+        outcome.trainable_parameters,
+        outcome.steps,
+        outcome.seconds,
+    )
 
 
 def evaluate_saved(recipe: Recipe, adapter_dir: str | Path | None, output_dir: str | Path | None = None) -> RunSummary:
     """Evaluate the recipe's base model with the adapter in `adapter_dir`, or the bare base model when None."""
+    protocol, max_length = recipe.protocol, recipe.data.max_length
     if adapter_dir is None:
-        model, tokenizer = load_base_model(recipe.model, recipe.dtype)
+        model, tokenizer = load_base_model(recipe.model, recipe.dtype, protocol, max_length)
         label, default_output = "base model", Path(recipe.output_dir) / "results_base"
     else:
-        model, tokenizer = load_adapted_model(recipe.model, adapter_dir, recipe.dtype)
+        model, tokenizer = load_adapted_model(recipe.model, adapter_dir, recipe.dtype, protocol, max_length)
         label, default_output = recipe.method.label, Path(recipe.output_dir) / "results"
     results = evaluate_recipe_model(recipe, model, tokenizer, Path(output_dir or default_output), label)
-    return RunSummary(label, results)
+    return RunSummary(label, results, protocol)
 
 
 def compare(recipes: list[Recipe], output_dir: str | Path, include_base: bool = True) -> list[RunSummary]:
@@ -89,11 +110,12 @@ def _columns(summaries: list[RunSummary]) -> list[str]:
 
 
 def format_table(summaries: list[RunSummary]) -> str:
-    """A Markdown table: one row per method, accuracy (%) per task and on average, with training cost."""
+    """A Markdown table: one row per method, accuracy (%) per task and on average, with training cost and the
+    protocol it was scored with."""
     columns = _columns(summaries)
     lines = [
-        "| method | trainable params | steps | train time | " + " | ".join(columns) + " |",
-        "|---|---:|---:|---:|" + "---:|" * len(columns),
+        "| method | trainable params | steps | train time | " + " | ".join(columns) + " | protocol |",
+        "|---|---:|---:|---:|" + "---:|" * len(columns) + "---|",
     ]
     for summary in summaries:
         accuracies = summary.accuracies()
@@ -101,7 +123,7 @@ def format_table(summaries: list[RunSummary]) -> str:
         cost = [f"{summary.trainable_parameters:,}", str(summary.steps), f"{summary.train_seconds:.0f} s"]
         if not summary.steps:  # the base model, or an adapter evaluated apart from its training
             cost = ["-"] * len(cost)
-        lines.append(f"| {summary.label} | " + " | ".join(cost + cells) + " |")
+        lines.append(f"| {summary.label} | " + " | ".join([*cost, *cells, summary.protocol]) + " |")
     return "\n".join(lines)
 
 
@@ -116,14 +138,41 @@ def write_comparison(summaries: list[RunSummary], output_dir: str | Path) -> Non
             "steps": s.steps,
             "train_seconds": round(s.train_seconds, 1),
             **s.accuracies(),
+            "protocol": s.protocol,
         }
         for s in summaries
     ]
     (output_dir / "comparison.json").write_text(json.dumps(rows, indent=2) + "\n")
     with open(output_dir / "comparison.csv", "w", newline="") as handle:
         writer = csv.DictWriter(
-            handle, fieldnames=["method", "trainable_parameters", "steps", "train_seconds"] + _columns(summaries)
+            handle,
+            fieldnames=["method", "trainable_parameters", "steps", "train_seconds", *_columns(summaries), "protocol"],
         )
         writer.writeheader()
         writer.writerows(rows)
     (output_dir / "comparison.md").write_text(format_table(summaries) + "\n")
+
+
+def print_prompts(data_dir: str | Path, task: str, count: int, protocol: str) -> None:
+    """One JSON object a line: the exact prompt string `protocol` gives the model for each of the first `count` test
+    examples of `task`, with the gold answer."""
+    examples = load_examples(dataset_file(data_dir, task, "test"), task)[:count]
+    prompts = get_protocol(protocol).prompts(task, examples)
+    for index, (example, prompt) in enumerate(zip(examples, prompts, strict=True)):
+        record = {"task": task, "index": index, "prompt": prompt, "answer": example.answer}
+        print(json.dumps(record, ensure_ascii=False))
+
+
+def rescore(paths: list[Path], protocol: str, output: Path) -> dict[str, tuple[int, int]]:
+    """Score saved predictions under `protocol`, write them to `output` with `correct` (and the `prediction` and
+    `protocol` behind it) set, and print the accuracy per task."""
+    scored = score_predictions(read_predictions(paths), protocol)
+    write_predictions(scored, output)
+    counts = accuracy_by_task(scored)
+    print(f"| task | accuracy ({protocol}) | correct | total |\n|---|---:|---:|---:|")
+    for task, (correct, total) in counts.items():
+        print(f"| {task} | {100 * correct / total:.1f} | {correct} | {total} |")
+    average = sum(correct / total for correct, total in counts.values()) / len(counts) if counts else 0.0
+    print(f"| average | {100 * average:.1f} | | |")
+    print(f"scored predictions written to {output}")
+    return counts

@@ -11,8 +11,9 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
-from .data import load_split, training_collator, training_dataset
+from .data import load_split, training_collator
 from .models import load_base_model
+from .protocols import get_protocol
 from .recipes import Recipe
 
 
@@ -67,10 +68,11 @@ def training_arguments(recipe: Recipe) -> TrainingArguments:
 
 
 def fine_tune(recipe: Recipe) -> TrainingOutcome:
-    """Train the recipe's adapter on its data and save it (with the tokenizer) to `recipe.adapter_dir`."""
-    base, tokenizer = load_base_model(recipe.model, recipe.dtype)
+    """Train the recipe's adapter on its data, tokenised as its protocol does, and save it (with the tokenizer) to
+    `recipe.adapter_dir`."""
+    base, tokenizer = load_base_model(recipe.model, recipe.dtype, recipe.protocol, recipe.data.max_length)
     examples = load_split(recipe.data.dir, recipe.data.train, "train", recipe.data.train_size, recipe.data.seed)
-    dataset = training_dataset(examples, tokenizer, recipe.data.max_length)
+    dataset = get_protocol(recipe.protocol).training_dataset(examples, tokenizer, recipe.data.max_length)
     model = get_peft_model(base, recipe.method.peft_config())
     trainable, _ = model.get_nb_trainable_parameters()
     trainer = Trainer(
@@ -98,6 +100,7 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
     summary = {
         "recipe": recipe.name,
         "method": recipe.method.label,
+        "protocol": recipe.protocol,
         "trainable_parameters": trainable,
         "train_examples": outcome.train_examples,
         "steps": outcome.steps,
