@@ -185,8 +185,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         if not names:
             return
         self.check_mergeable()
-        if (quantized := self.quantized()) is not None:
-            self._merge_quantized(quantized, names, safe_merge)
+        if self.quantized() is not None:
+            self._merge_quantized(names, safe_merge)
             return
         weight = self.weight_out_in()
         if weight.is_meta:
@@ -210,15 +210,16 @@ class NeuroAdaLayer(BaseTunerLayer):
             self.unmerge_to(merged_before)
             raise
 
-    def _merge_quantized(self, quantized: QuantizedLinear, names: list[str], safe_merge: bool) -> None:
+    def _merge_quantized(self, names: list[str], safe_merge: bool) -> None:
         """Per adapter: dequantize the layer, add the deltas, quantize again; the replaced weight is kept for unmerge.
 
         Like peft's LoRA on quantized layers, the merged weight is rounded to the quantization grid, which warns.
         """
         merged_before = len(self.merged_adapters)
         try:
-            with weight_lock(quantized.base), torch.no_grad():
+            with weight_lock(self.get_base_layer()), torch.no_grad():
                 for name in names:
+                    quantized = self.quantized()  # the layer as the previous adapter left it
                     warnings.warn(
                         f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to "
                         "rounding errors: the merged weight is quantized again (unmerge restores the original "

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, 
 
 import peft_neuroada.selection
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.quantized import QuantizedLinear, quantized_linear
+from peft_neuroada.quantized import Bnb8bit, QuantizedLinear, quantized_linear
 from peft_neuroada.selection import select_inputs
 
 QUANTIZATIONS: dict[str, Callable[[], object]] = {
@@ -228,6 +228,47 @@ def test_merge_requantizes_with_a_warning_and_unmerge_restores_the_storage_bit_f
         load(tiny_dir, quantization).model.layers[0].self_attn.q_proj
     )
     assert torch.equal(logits(unloaded, token_batch), merged)
+
+
+def test_several_adapters_merge_in_turn_and_unmerge_to_the_original_storage(tiny_dir, token_batch) -> None:
+    peft_model = trained(load(tiny_dir, "bnb-nf4-double"), token_batch)
+    peft_model.add_adapter("other", NeuroAdaConfig(k=1, init_weights=False))
+    peft_model.base_model.set_adapter(["default", "other"])
+    both = logits(peft_model, token_batch)
+    before = storage_of(peft_model)
+
+    with pytest.warns(UserWarning, match="rounding errors"):
+        peft_model.merge_adapter(["default", "other"])
+    merged = logits(peft_model, token_batch)
+    peft_model.unmerge_adapter()
+
+    with peft_model.disable_adapter():
+        base = logits(peft_model, token_batch)
+    assert (merged - both).abs().max() < (base - both).abs().max() / 3
+    assert_same_storage(before, storage_of(peft_model))
+    assert torch.equal(logits(peft_model, token_batch), both)
+
+
+def test_a_merge_that_fails_midway_leaves_every_quantized_layer_as_it_was(tiny_dir, token_batch, monkeypatch) -> None:
+    peft_model = trained(load(tiny_dir, "bnb-int8"), token_batch)
+    before = storage_of(peft_model)
+    expected = logits(peft_model, token_batch)
+    replace, calls = Bnb8bit.replace, []
+
+    def failing_on_the_fifth_layer(self: Bnb8bit, weight: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        replace(self, weight)
+
+    monkeypatch.setattr(Bnb8bit, "replace", failing_on_the_fifth_layer)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="injected failure"):
+        warnings.simplefilter("ignore")
+        peft_model.merge_adapter()
+
+    assert not any(layer.merged for layer in named_neuroada_layers(peft_model).values())
+    assert_same_storage(before, storage_of(peft_model))
+    assert torch.equal(logits(peft_model, token_batch), expected)
 
 
 def test_adapter_from_a_quantized_base_loads_its_saved_indices_onto_the_full_precision_base(
