@@ -25,6 +25,7 @@ from .functional import (
     weight_lock,
     write_placed_,
 )
+from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
 from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
@@ -82,6 +83,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.init_weights: dict[str, bool] = {}
         # Per merged adapter, where it was merged and the weight entries it overwrote: unmerge writes them back.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
+        # Quantized bases: per merged adapter, the quantized weight its merge replaced (unmerge puts it back), and the
+        # torchao config a merged torchao weight is quantized with again (set by NeuroAdaModel).
+        self._quantized_originals: dict[str, Snapshot] = {}
+        self.requantize_with: Any = None
         # Other modules holding this layer's base weight (kept up to date by NeuroAdaModel). The in-place path never
         # writes a shared weight, and merging into one is refused: it would change those modules too.
         self.weight_shared_with: tuple[str, ...] = ()
@@ -93,6 +98,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         """The frozen weight as a (d_out, d_in) view, whatever the layer's storage layout."""
         weight = self.get_base_layer().weight
         return weight.T if self.fan_in_fan_out else weight
+
+    def quantized(self) -> QuantizedLinear | None:
+        """The base layer seen as its dequantized weight if it is quantized (None for a plain float weight)."""
+        return quantized_linear(self.get_base_layer(), self.requantize_with)
 
     def frozen(self) -> FrozenLinear:
         return FrozenLinear(self.get_base_layer(), self.weight_out_in(), self.weight_shared_with)
@@ -115,9 +124,13 @@ class NeuroAdaLayer(BaseTunerLayer):
         strategy = "magnitude" if config.selection == "gradient" else config.selection
         if reason := unreadable_weight(self.get_base_layer()):
             raise ValueError(f"NeuroAda cannot select inputs for layer '{layer_name}': {reason}. {LOAD_WEIGHTS_HINT}")
+        quantized = self.quantized()
+        if quantized is not None:
+            keep_standard_layout(self.get_base_layer())
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
+        # Quantized weights are read dequantized, a block of rows at a time.
         with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
-            weight = self.weight_out_in()
+            weight = self.weight_out_in() if quantized is None else quantized
             tuned_weight = weight if rows is None else weight[rows.long()]
             self.neuroada_indices[adapter_name] = select_inputs(tuned_weight, k, strategy, generator)
             weight_dtype = weight.dtype
@@ -198,6 +211,9 @@ class NeuroAdaLayer(BaseTunerLayer):
         if not names:
             return
         self.check_mergeable()
+        if self.quantized() is not None:
+            self._merge_quantized(names, safe_merge)
+            return
         weight = self.weight_out_in()
         if weight.is_meta:
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
@@ -220,8 +236,44 @@ class NeuroAdaLayer(BaseTunerLayer):
             self.unmerge_to(merged_before)
             raise
 
+    def _merge_quantized(self, names: list[str], safe_merge: bool) -> None:
+        """Per adapter: dequantize the layer, add the deltas, quantize again; the replaced weight is kept for unmerge.
+
+        Like peft's LoRA on quantized layers, the merged weight is rounded to the quantization grid, which warns.
+        """
+        merged_before = len(self.merged_adapters)
+        try:
+            with weight_lock(self.get_base_layer()), torch.no_grad():
+                for name in names:
+                    quantized = self.quantized()  # the layer as the previous adapter left it
+                    warnings.warn(
+                        f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to "
+                        "rounding errors: the merged weight is quantized again (unmerge restores the original "
+                        f"exactly). {FULL_PRECISION_HINT}",
+                        stacklevel=3,
+                    )
+                    weight = quantized.dense()
+                    placement = self.placement(name)
+                    merged = placed_entries(weight, placement) + self.neuroada_delta[name].detach().float()
+                    if safe_merge and not torch.isfinite(merged).all():
+                        raise ValueError(
+                            f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
+                            "so its deltas are broken (check the training loss and learning rate)."
+                        )
+                    write_placed_(weight, placement, merged)
+                    self._quantized_originals[name] = quantized.snapshot()
+                    self.merged_adapters.append(name)
+                    quantized.replace(weight)
+        except BaseException:
+            self.unmerge_to(merged_before)
+            raise
+
     def check_mergeable(self, name: str = "this layer") -> None:
-        """Raise before anything changes if the deltas cannot be merged into this layer's base weight (shared)."""
+        """Raise before anything changes if the deltas cannot be merged into this layer's base weight (shared, or a
+        quantized weight that cannot be quantized again)."""
+        quantized = self.quantized()
+        if quantized is not None and (reason := quantized.merge_refusal()):
+            raise ValueError(f"Cannot merge NeuroAda deltas into '{name}': {reason}. {FULL_PRECISION_HINT}")
         if self.weight_shared_with:
             raise ValueError(
                 f"Cannot merge NeuroAda deltas into the weight of '{name}': it is shared with "
@@ -243,6 +295,14 @@ class NeuroAdaLayer(BaseTunerLayer):
 
         All or nothing: if a write fails, the adapters this call already unmerged are written back as they were.
         """
+        if self._quantized_originals:
+            # Each snapshot is the layer as it was before that adapter merged: putting them back undoes it exactly.
+            with weight_lock(self.get_base_layer()):
+                while len(self.merged_adapters) > count:
+                    name = self.merged_adapters[-1]
+                    self._quantized_originals.pop(name).restore()
+                    self.merged_adapters.pop()
+            return
         weight = self.weight_out_in()
         undone = []
         try:

@@ -39,6 +39,7 @@ from .layer import (
     NeuroAdaLayer,
     unreadable_weight,
 )
+from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
 from .selection import index_dtype
 
 _INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
@@ -76,15 +77,26 @@ class NeuroAdaModel(BaseTuner):
                 "NeuroAda must be added before the model is sharded: call get_peft_model on the plain model, then "
                 "wrap it with fully_shard / FullyShardedDataParallel / accelerator.prepare (see docs/distributed.md)."
             )
-        unreadable = {}
+        unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted_modules(model, config):
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
-            if hasattr(base, "weight") and (reason := unreadable_weight(base)):
+            if reason := unsupported_quantization(base):
+                unsupported[name] = reason
+            elif hasattr(base, "weight") and (reason := unreadable_weight(base)):
                 unreadable[name] = reason
+            elif hasattr(base, "weight") and (reason := unreadable_quantized_weight(base)):
+                unready[name] = reason
+        if unsupported:
+            raise TypeError(
+                f"NeuroAda cannot adapt the quantized layers {_listed(unsupported)}. Supported quantized bases: "
+                "bitsandbytes 4-bit and 8-bit, and torchao tensors that dequantize. Remove these layers from "
+                "target_modules (or add them to exclude_modules), or load the base model with one of those or in "
+                "full precision."
+            )
         if unreadable:
-            listed = "; ".join(f"'{name}': {reason}" for name, reason in list(unreadable.items())[:3])
-            more = f" (and {len(unreadable) - 3} more)" if len(unreadable) > 3 else ""
-            raise ValueError(f"NeuroAda cannot read the weights of {listed}{more}. {LOAD_WEIGHTS_HINT}")
+            raise ValueError(f"NeuroAda cannot read the weights of {_listed(unreadable)}. {LOAD_WEIGHTS_HINT}")
+        if unready:
+            raise ValueError(f"NeuroAda cannot read the quantized weights of {_listed(unready)}.")
 
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         mark_shared_weights(model)
@@ -112,6 +124,7 @@ class NeuroAdaModel(BaseTuner):
             target.update_layer(adapter_name, config, layer_name=current_key)
             return
         new_module = self._create_new_module(config, adapter_name, target, current_key)
+        new_module.requantize_with = torchao_config_of(self.model)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
@@ -401,6 +414,12 @@ def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
     if bias == "all":
         return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
     return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
+
+
+def _listed(reasons: dict[str, str]) -> str:
+    """The first few layers and why, for an error message."""
+    listed = "; ".join(f"'{name}': {reason}" for name, reason in list(reasons.items())[:3])
+    return listed + (f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else "")
 
 
 def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):

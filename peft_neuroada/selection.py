@@ -56,7 +56,8 @@ def select_inputs(
     """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending.
 
     `magnitude` takes the largest |w| (the paper's default), `reverse` the smallest, `random` a uniform choice.
-    For `gradient`, pass the accumulated gradient magnitudes as `weight` with strategy `magnitude`.
+    For `gradient`, pass the accumulated gradient magnitudes as `weight` with strategy `magnitude`. A quantized layer
+    comes as a `quantized.QuantizedLinear`, whose blocks of rows read as dequantized float32 values.
     """
     score_of = _SCORES[strategy]
     if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows

@@ -1,0 +1,386 @@
+"""Quantized base layers: reading their values, merging into them, and refusing the kinds NeuroAda cannot handle.
+
+Supported: bitsandbytes `Linear4bit` (nf4/fp4, with or without double quantization) and `Linear8bitLt`, and
+`nn.Linear` layers whose weight is a torchao tensor subclass that can dequantize (e.g. `Int8WeightOnlyConfig`,
+`IntxWeightOnlyConfig`). Their forward takes functional's general path (`base(x) + bypass(x)`), which never writes
+the weight. Here they are read (dequantized, a block of rows at a time, for selection) and merged (dequantize the
+layer, add, requantize; the replaced quantized weight is kept so unmerge restores it bit for bit).
+
+Other quantized layers peft knows (GPTQ, AWQ, HQQ, EETQ, AQLM, ...) are recognised by their package or class name,
+without importing those libraries, and refused by name before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+_MAX_BLOCK_ELEMENTS = 1 << 24
+
+# Quantized linear layers NeuroAda cannot read, by the package that defines them.
+_UNSUPPORTED_PACKAGES = {
+    "auto_gptq": "GPTQ (AutoGPTQ)",
+    "gptqmodel": "GPTQ/AWQ (GPT-QModel)",
+    "awq": "AWQ (AutoAWQ)",
+    "hqq": "HQQ",
+    "eetq": "EETQ",
+    "aqlm": "AQLM",
+    "optimum": "optimum-quanto",
+    "vptq": "VPTQ",
+    "compressed_tensors": "compressed-tensors",
+    "neural_compressor": "Intel Neural Compressor",
+    "transformer_engine": "Transformer Engine",
+    "fp_quant": "FP-Quant",
+    "spqr_quant": "SpQR",
+    "higgs": "HIGGS",
+}
+# ... and by class name, for copies of those classes defined elsewhere (transformers ships several).
+_UNSUPPORTED_CLASS_NAMES = re.compile(
+    r"QuantLinear|^WQLinear|^HQQLinear$|^EetqLinear$|^QuantizedLinear$|^PatchedLinear$|^QLinear$|Fp8Linear$|"
+    r"FP8Linear$|^BitLinear$|^AutoBitLinear$|^HiggsLinear$|^SpQRLinear$|^FPQuantLinear$|^NVFP4Linear$"
+)
+_BNB_4BIT = ("Linear4bit", "LinearFP4", "LinearNF4")
+_BNB_8BIT = ("Linear8bitLt",)
+
+CPU_PACKED_HINT = (
+    "bitsandbytes has packed its 4-bit weight for AVX512-BF16 CPU inference (the first eval-mode forward without "
+    "gradients does that), a layout bitsandbytes converts back only approximately. Load the model again and add or "
+    "load the adapter before running the model in inference mode (NeuroAda then keeps the layers it adapts unpacked)"
+)
+FULL_PRECISION_HINT = (
+    "To get a merged model in full precision, load the base model in float32/bfloat16 and call "
+    "`PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()`."
+)
+
+
+def _package(obj: Any) -> str:
+    return type(obj).__module__.split(".", 1)[0]
+
+
+def _is_torchao(weight: Any) -> bool:
+    return type(weight).__module__.startswith("torchao.")
+
+
+def unsupported_quantization(base: nn.Module) -> str | None:
+    """Why `base` is a quantized layer NeuroAda cannot adapt (None: it is plain or a supported kind)."""
+    cls = type(base)
+    kind = f"{cls.__module__}.{cls.__qualname__}"
+    package = _package(base)
+    if package == "bitsandbytes":
+        if cls.__name__ not in _BNB_4BIT + _BNB_8BIT:
+            return f"it is a bitsandbytes {cls.__name__} ({kind}); only Linear4bit and Linear8bitLt are supported"
+        if cls.__name__ in _BNB_8BIT and base.state.has_fp16_weights:
+            return "it is a bitsandbytes Linear8bitLt with has_fp16_weights=True (8-bit training mode)"
+        return None
+    if package in _UNSUPPORTED_PACKAGES:
+        return f"it is a {_UNSUPPORTED_PACKAGES[package]} quantized layer ({kind})"
+    if cls.__module__.startswith("transformers.integrations.") or _UNSUPPORTED_CLASS_NAMES.search(cls.__name__):
+        return f"it is a quantized layer NeuroAda does not support ({kind})"
+    if any(hasattr(base, name) for name in ("qweight", "W_q", "qzeros")):
+        return f"it holds packed quantized weights ({kind})"
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta:
+        return None
+    if _is_torchao(weight):
+        if isinstance(base, nn.Linear):
+            return None
+        return f"it is a {cls.__name__} with a torchao {type(weight).__name__} weight; only nn.Linear is supported"
+    if not weight.dtype.is_floating_point:
+        return f"its weight is stored as {weight.dtype} by {kind}, a quantization NeuroAda does not know"
+    return None
+
+
+def unreadable_quantized_weight(base: nn.Module) -> str | None:
+    """Why the values of a supported quantized layer cannot be read as it is now (None: they can)."""
+    if _package(base) == "bitsandbytes":
+        if not_yet_quantized(base):
+            return (
+                "its bitsandbytes weight is not quantized yet (bitsandbytes quantizes when the layer is moved to its "
+                "device): call `model.to(device)` first, or load the model with `quantization_config=...`"
+            )
+        state = base.weight.quant_state if type(base).__name__ in _BNB_4BIT else None
+        if getattr(state, "packing_format_for_cpu", False):
+            return CPU_PACKED_HINT
+    elif _is_torchao(getattr(base, "weight", None)) and not callable(getattr(base.weight, "dequantize", None)):
+        return f"its torchao {type(base.weight).__name__} weight cannot be dequantized"
+    return None
+
+
+class Snapshot(NamedTuple):
+    """What a quantized layer held before a merge replaced its weight (put back as is on unmerge)."""
+
+    module: nn.Module
+    attributes: dict[str, Any]
+
+    def restore(self) -> None:
+        for name, value in self.attributes.items():
+            setattr(self.module, name, value)
+
+
+class QuantizedLinear:
+    """A supported quantized linear layer, seen as its dequantized (d_out, d_in) float32 weight.
+
+    Indexing with a slice of rows or a tensor of row numbers dequantizes just those rows, a block at a time, so
+    `select_inputs` reads it like a weight. A format that cannot dequantize part of a layer (see `reads_rows`) is
+    dequantized whole, once: one layer at a time, never the whole model.
+    """
+
+    kind: str
+    dtype = torch.float32
+
+    def __init__(self, base: nn.Module) -> None:
+        self.base = base
+        self.shape = torch.Size((base.out_features, base.in_features))
+        self._whole: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.weight.device
+
+    def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.shape[0])
+            if step != 1:
+                raise IndexError("QuantizedLinear reads contiguous blocks of rows only.")
+            return self.rows(start, stop)
+        rows = index.long().reshape(-1)
+        out = torch.empty(rows.numel(), self.shape[1], dtype=self.dtype, device=self.device)
+        block = max(1, _MAX_BLOCK_ELEMENTS // self.shape[1])
+        for start in range(0, self.shape[0], block):
+            wanted = ((rows >= start) & (rows < start + block)).nonzero().squeeze(1)
+            if wanted.numel():
+                out[wanted] = self.rows(start, min(start + block, self.shape[0]))[rows[wanted] - start]
+        return out
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the dequantized weight, as float32."""
+        if self._whole is None and self.reads_rows():
+            return self._dequantized_rows(start, stop).float()
+        return self.dense()[start:stop]
+
+    def dense(self) -> torch.Tensor:
+        """The whole dequantized weight (one layer), as float32."""
+        if self._whole is None:
+            self._whole = self._dequantized().float()
+        return self._whole
+
+    def reads_rows(self) -> bool:
+        """Whether a block of rows dequantizes on its own, exactly as within the whole layer."""
+        return True
+
+    def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def merge_refusal(self) -> str | None:
+        """Why deltas cannot be merged into this layer (checked before any layer changes), or None."""
+        return None
+
+    def snapshot(self) -> Snapshot:
+        raise NotImplementedError
+
+    def replace(self, weight: torch.Tensor) -> None:
+        """Quantize `weight` (d_out, d_in) the way this layer is quantized and install it as the layer's weight."""
+        raise NotImplementedError
+
+
+class Bnb4bit(QuantizedLinear):
+    """bitsandbytes `Linear4bit`: 4-bit codes in blocks of `blocksize` values of the flattened weight, with one scale
+    per block (`absmax`, itself 8-bit quantized under double quantization)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__(base)
+        self.state = base.weight.quant_state if base.weight.quant_state is not None else base.quant_state
+        self.kind = f"bitsandbytes 4-bit ({self.state.quant_type})"
+        self._scales: torch.Tensor | None = None
+
+    def reads_rows(self) -> bool:
+        # Rows split into whole scale blocks only when d_in is a multiple of the block size (it is in real models);
+        # otherwise blocks span rows, and bitsandbytes' CPU kernel reads those differently from its quantizer.
+        return self.shape[1] % self.state.blocksize == 0
+
+    def merge_refusal(self) -> str | None:
+        return CPU_PACKED_HINT if getattr(self.state, "packing_format_for_cpu", False) else None
+
+    def _check_readable(self) -> None:
+        if reason := self.merge_refusal():
+            raise ValueError(f"NeuroAda cannot read this 4-bit weight: {reason}")
+
+    def _dequantized(self) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        self._check_readable()
+        return bnb_functional.dequantize_4bit(self.base.weight.data, self.state)
+
+    def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        self._check_readable()
+        if self._scales is None:  # 1/blocksize of the layer's size, dequantized once
+            scales = self.state.absmax
+            if self.state.nested:
+                scales = bnb_functional.dequantize_blockwise(scales, self.state.state2) + self.state.offset
+            self._scales = scales.float()
+        blocks_per_row = self.shape[1] // self.state.blocksize
+        rows_state = bnb_functional.QuantState(
+            absmax=self._scales[start * blocks_per_row : stop * blocks_per_row],
+            shape=torch.Size((stop - start, self.shape[1])),
+            code=self.state.code,
+            blocksize=self.state.blocksize,
+            quant_type=self.state.quant_type,
+            dtype=self.state.dtype,
+        )
+        codes = self.base.weight.data.view(torch.uint8).reshape(-1)  # two 4-bit codes per byte
+        return bnb_functional.dequantize_4bit(
+            codes[start * self.shape[1] // 2 : stop * self.shape[1] // 2], rows_state
+        )
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.base, {"weight": self.base.weight, "quant_state": self.base.quant_state})
+
+    def replace(self, weight: torch.Tensor) -> None:
+        import bitsandbytes as bnb
+
+        old = self.base.weight
+        new = bnb.nn.Params4bit(
+            weight.to(device="cpu", dtype=self.state.dtype),
+            requires_grad=False,
+            blocksize=self.state.blocksize,
+            compress_statistics=self.state.nested,
+            quant_type=self.state.quant_type,
+            quant_storage=old.quant_storage,
+            module=self.base,
+        )
+        self.base.weight = new.to(old.device)
+
+
+class Bnb8bit(QuantizedLinear):
+    """bitsandbytes `Linear8bitLt`: int8 codes with one scale per row (`SCB`), so any block of rows reads alone."""
+
+    kind = "bitsandbytes 8-bit"
+
+    def _row_scales(self) -> torch.Tensor:
+        scales = self.base.weight.SCB
+        return scales if scales is not None else self.base.state.SCB
+
+    def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        import bitsandbytes.functional as bnb_functional
+
+        return bnb_functional.int8_vectorwise_dequant(
+            self.base.weight.data[start:stop], self._row_scales()[start:stop]
+        )
+
+    def _dequantized(self) -> torch.Tensor:
+        return self._dequantized_rows(0, self.shape[0])
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.base, {"weight": self.base.weight, "state": copy.copy(self.base.state)})
+
+    def replace(self, weight: torch.Tensor) -> None:
+        import bitsandbytes as bnb
+
+        old = self.base.weight
+        new = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
+        self.base.weight = new.to(old.device)
+        self.base.state.reset_grads()
+
+
+class Torchao(QuantizedLinear):
+    """An `nn.Linear` whose weight is a torchao tensor subclass; requantized with the config the model was loaded
+    with (transformers' `TorchAoConfig`), which `requantize_with` holds."""
+
+    def __init__(self, base: nn.Module, requantize_with: Any = None) -> None:
+        super().__init__(base)
+        self.kind = f"torchao {type(base.weight).__name__}"
+        self.requantize_with = requantize_with
+        self._slices: bool | None = None
+
+    def reads_rows(self) -> bool:
+        # Most torchao tensors slice along rows (and dequantize the slice alone); find out once per layer.
+        if self._slices is None:
+            try:
+                self.base.weight[:1].dequantize()
+                self._slices = True
+            except (NotImplementedError, RuntimeError, TypeError, IndexError):
+                self._slices = False
+        return self._slices
+
+    def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.base.weight[start:stop].dequantize()
+
+    def _dequantized(self) -> torch.Tensor:
+        try:
+            return self.base.weight.dequantize()
+        except NotImplementedError as error:
+            raise TypeError(f"NeuroAda cannot read a {self.kind} weight: it cannot be dequantized.") from error
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.base, {"weight": self.base.weight})
+
+    def merge_refusal(self) -> str | None:
+        if self.requantize_with is None:
+            return (
+                f"the torchao config its {type(self.base.weight).__name__} weight was quantized with is unknown, so "
+                "the merged weight cannot be quantized again (load the base model through transformers with "
+                "`quantization_config=TorchAoConfig(...)` to merge)"
+            )
+        return None
+
+    def replace(self, weight: torch.Tensor) -> None:
+        from torchao.quantization import quantize_
+
+        if reason := self.merge_refusal():
+            raise ValueError(f"Cannot merge into this layer: {reason}. {FULL_PRECISION_HINT}")
+        old = self.base.weight
+        self.base.weight = nn.Parameter(weight.to(device=old.device, dtype=old.dtype), requires_grad=False)
+        quantize_(self.base, self.requantize_with)
+        if not _is_torchao(self.base.weight):
+            raise ValueError(
+                f"Requantizing a {self.kind} weight with {type(self.requantize_with).__name__} left it unquantized. "
+                + FULL_PRECISION_HINT
+            )
+
+
+def quantized_linear(base: nn.Module, requantize_with: Any = None) -> QuantizedLinear | None:
+    """The supported quantized view of `base`, or None for a plain floating-point layer.
+
+    `requantize_with`: the torchao config to quantize a merged torchao weight with.
+    """
+    if _package(base) == "bitsandbytes":
+        return Bnb4bit(base) if type(base).__name__ in _BNB_4BIT else Bnb8bit(base)
+    if _is_torchao(getattr(base, "weight", None)):
+        return Torchao(base, requantize_with)
+    return None
+
+
+def not_yet_quantized(base: nn.Module) -> bool:
+    """Whether a bitsandbytes layer still holds its float weight (bitsandbytes quantizes on `.to(device)`)."""
+    weight = base.weight
+    if type(base).__name__ in _BNB_4BIT:
+        return not weight.bnb_quantized or (weight.quant_state is None and base.quant_state is None)
+    return weight.dtype != torch.int8
+
+
+def keep_standard_layout(base: nn.Module) -> None:
+    """Stop bitsandbytes from packing this 4-bit layer for AVX512-BF16 CPU inference.
+
+    bitsandbytes 0.50 packs a `Linear4bit` weight on its first eval-mode forward without gradients on such CPUs and
+    unpacks it on `state_dict()` (which every save calls) only approximately: scales come back rounded to bfloat16,
+    and without double quantization in the wrong order, silently changing the model. NeuroAda keeps the layers it
+    adapts in bitsandbytes' standard layout (the general dequantize-and-matmul forward) instead.
+    """
+    if hasattr(base, "support_avx512bf16_for_cpu"):
+        base.support_avx512bf16_for_cpu = False
+
+
+def torchao_config_of(model: nn.Module) -> Any:
+    """The torchao config transformers quantized `model` with (None if it was not loaded that way)."""
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    get_config = getattr(config, "get_apply_tensor_subclass", None)
+    return get_config() if callable(get_config) else None
