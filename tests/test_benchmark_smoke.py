@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,19 @@ def test_threaded_inference_benchmark_reports_every_variant_and_thread_count() -
     for variant in ("base", "neuroada k=1 (in place)", "neuroada k=1 (non-mutating)", "lora r=1"):
         assert {(variant, "forward"), (variant, "generate")} <= cells
     assert all(float(cell) > 0 for row in rows for cell in row[2:4])
+
+
+def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Path) -> None:
+    report = tmp_path / "nf4.json"
+    command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1", "--quantize", "nf4"]
+    command += ["--variants", "floor", "neuroada-k1", "neuroada-k20", "lora-budget"]
+    command += ["--warmup", "0", "--steps", "1", "--infer-steps", "1", "--json", str(report)]
+    env = {**os.environ, "PEFT_NEUROADA_CACHE": str(tmp_path / "cache")}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "quantize=nf4" in completed.stdout
+    results = {r["variant"]: r for r in json.loads(report.read_text())["results"]}
+    for name, result in results.items():
+        assert result["error"] is None, f"{name}: {result['error']}"
+        assert math.isfinite(result["step_cpu_s"]) and result["step_cpu_s"] > 0, name
+    assert results["neuroada-k1"]["trainable_params"] > 0 and results["lora-budget"]["trainable_params"] > 0
