@@ -46,17 +46,7 @@ def evaluate_recipe_model(
     spec = recipe.evaluation
     if not spec.tasks:
         return []
-    results = evaluate_tasks(
-        model,
-        tokenizer,
-        recipe.data.dir,
-        spec.tasks,
-        spec.size,
-        spec.seed,
-        spec.batch_size,
-        spec.max_new_tokens,
-        recipe.protocol,
-    )
+    results = evaluate_tasks(model, tokenizer, recipe.data.dir, spec, recipe.protocol)
     metadata = {"recipe": recipe.name, "model": recipe.model, "method": label, "eval_size_per_task": spec.size}
     path = write_results(results, output_dir, metadata)
     print(format_table([RunSummary(label, results, recipe.protocol)]))
