@@ -20,6 +20,7 @@ import yaml
 from peft import LoraConfig, PeftConfig
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.config import DTYPES
 
 from .protocols import PROTOCOLS
 
@@ -55,9 +56,10 @@ class MethodSpec:
 
 @dataclass
 class DataSpec:
-    """Training data: the union of `train` data sets in `dir`, `train_size` random examples of it (all if null)."""
+    """Training data: the union of `train` data sets in `dir`, `train_size` random examples of it (all if null).
+    `dir` is relative to where `neuroada` runs; the default is a `dataset/` folder there (LLM-Adapters' name)."""
 
-    dir: str = "../shared/datasets"
+    dir: str = "dataset"
     train: list[str] = field(default_factory=lambda: ["commonsense_15k"])
     train_size: int | None = None
     max_length: int = 256
@@ -111,7 +113,7 @@ class Recipe:
     name: str
     output_dir: str
     model: str = "default"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: str = "float32"
     protocol: Literal["paper", "lenient"] = "lenient"
     method: MethodSpec = field(default_factory=MethodSpec)
     data: DataSpec = field(default_factory=DataSpec)
@@ -119,6 +121,8 @@ class Recipe:
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {self.dtype!r}).")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
 
