@@ -121,6 +121,7 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
         "recipe": recipe.name,
         "method": recipe.method.label,
         "protocol": recipe.protocol,
+        "seed": recipe.seed,
         "trainable_parameters": trainable,
         "train_examples": outcome.train_examples,
         "steps": outcome.steps,
