@@ -35,6 +35,8 @@ from cost.measurement import MODEL_DEFAULTS, Result, RunSpec, run_all
 from cost.report import check_targets, format_checks, format_table
 from cost.variants import QUANTIZATIONS, VARIANTS
 
+from peft_neuroada.config import DTYPES
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rounds", type=int, default=1, help="Timing passes over all variants; each pass uses new processes."
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available).")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument(
         "--quantize", choices=sorted(QUANTIZATIONS), help="Load the base quantized (nf4: QLoRA's) for every variant."
     )

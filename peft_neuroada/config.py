@@ -27,7 +27,8 @@ TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
     "roberta": ["query", "key", "value", "dense"],
 }
 
-DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The one dtype table: the names a config, a recipe or a command line may give for delta storage and model weights.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # peft's name for the method, and the prefix of every adapter attribute (and state-dict key) it owns.
 METHOD_NAME = "neuroada"
@@ -118,9 +119,9 @@ class NeuroAdaConfig(PeftConfig):
             raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
         if self.bias not in BIAS_OPTIONS:
             raise ValueError(f"NeuroAdaConfig.bias must be one of {BIAS_OPTIONS} (got {self.bias!r}).")
-        if self.delta_dtype is not None and self.delta_dtype not in DELTA_DTYPES:
+        if self.delta_dtype is not None and self.delta_dtype not in DTYPES:
             raise ValueError(
-                f"NeuroAdaConfig.delta_dtype must be one of {sorted(DELTA_DTYPES)} or None (got {self.delta_dtype!r})."
+                f"NeuroAdaConfig.delta_dtype must be one of {sorted(DTYPES)} or None (got {self.delta_dtype!r})."
             )
         if isinstance(self.target_modules, list):
             self.target_modules = set(self.target_modules)

@@ -15,7 +15,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
-from .config import DELTA_DTYPES, NeuroAdaConfig
+from .config import DTYPES, NeuroAdaConfig
 from .functional import (
     FrozenLinear,
     Placement,
@@ -137,7 +137,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
         if config.delta_dtype is not None:
-            dtype = DELTA_DTYPES[config.delta_dtype]
+            dtype = DTYPES[config.delta_dtype]
         else:
             dtype = weight_dtype if weight_dtype.is_floating_point else torch.float32
         neurons = self.out_features if rows is None else rows.numel()

@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from peft_neuroada import NeuroAdaLayer  # importing the package registers the NEUROADA peft type
-from peft_neuroada.train.default_model import default_model_path, load_default_model
+from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.models import load_default_model
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:

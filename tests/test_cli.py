@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from peft_neuroada.train.cli import main
+from peft_neuroada.train.cli import PROTOCOL_NAMES, TRAINING_EXTRA, main
 from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.protocols import PROTOCOLS
 from tests.shared_data import shared_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +62,25 @@ def predictions(results_dir: Path, task: str) -> list[dict]:
 def test_console_script_is_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["neuroada"] == "peft_neuroada.train.cli:main"
+
+
+def test_the_training_packages_are_an_extra_that_the_test_extra_includes():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    assert not any(name in core for name in ("datasets", "pyyaml", "gguf"))
+    assert {"datasets", "pyyaml", "gguf"} == {spec.split(">")[0] for spec in project["optional-dependencies"]["train"]}
+    assert "peft-neuroada[train]" in project["optional-dependencies"]["test"]
+    assert set(TRAINING_EXTRA) == {"datasets", "yaml", "gguf"}, "the modules the extra's packages provide"
+
+
+def test_a_missing_training_extra_is_named_with_the_command_that_installs_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if it were not installed
+    with pytest.raises(SystemExit, match=r'\(gguf missing\): pip install -e "\.\[train\]"'):
+        main(["train", "recipe.yaml"])
+
+
+def test_the_command_line_knows_the_protocols_without_importing_them():
+    assert PROTOCOL_NAMES == tuple(sorted(PROTOCOLS))
 
 
 def test_help_lists_the_subcommands(capsys):

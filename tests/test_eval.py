@@ -12,6 +12,7 @@ import torch
 from peft_neuroada.train.answers import NO_ANSWER, AnswerRule, answer_rule
 from peft_neuroada.train.data import Example, dataset_file, load_examples
 from peft_neuroada.train.evaluate import evaluate_tasks, generate_responses, write_results
+from peft_neuroada.train.recipes import EvaluationSpec
 from peft_neuroada.train.scoring import read_predictions, score_predictions
 from tests.shared_data import shared_datasets
 
@@ -87,16 +88,10 @@ def test_batched_left_padded_generation_matches_one_at_a_time(smollm2, smollm2_t
 
 def test_evaluation_writes_accuracy_per_task_average_and_predictions(smollm2, smollm2_tokenizer, tmp_path):
     torch.manual_seed(0)
-    results = evaluate_tasks(
-        smollm2,
-        smollm2_tokenizer,
-        shared_datasets(),
-        ["boolq", "gsm8k"],
-        size=3,
-        seed=0,
-        batch_size=3,
-        max_new_tokens={"options": 8, "number": 8},
+    spec = EvaluationSpec(
+        ["boolq", "gsm8k"], size=3, seed=0, batch_size=3, max_new_tokens_options=8, max_new_tokens_number=8
     )
+    results = evaluate_tasks(smollm2, smollm2_tokenizer, shared_datasets(), spec)
     assert [(r.task, r.total) for r in results] == [("boolq", 3), ("gsm8k", 3)]
     assert all(0 <= r.accuracy <= 1 and r.correct == sum(p.correct for p in r.predictions) for r in results)
     write_results(results, tmp_path, {"method": "base model"})

@@ -134,6 +134,32 @@ def test_a_broken_peft_neuroada_never_breaks_importing_peft(tmp_path):
     assert "could not register the NEUROADA peft type" in done.stderr
 
 
+def test_the_core_plugin_needs_none_of_the_training_extra(tmp_path):
+    """datasets and gguf hidden (pyyaml always comes with huggingface_hub): inject, save, load and run an adapter."""
+    code = f"""
+import sys
+sys.modules.update(datasets=None, gguf=None)
+import torch
+from peft import PeftModel, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from peft_neuroada import NeuroAdaConfig
+
+def tiny():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    return LlamaForCausalLM(config).eval()
+
+model = get_peft_model(tiny(), NeuroAdaConfig(k=1, init_weights=False))
+model.save_pretrained({str(tmp_path)!r})
+tokens = torch.arange(8)[None]
+print(torch.equal(model(tokens).logits, PeftModel.from_pretrained(tiny(), {str(tmp_path)!r})(tokens).logits))
+"""
+    done = python(code, tmp_path, PYTHONPATH=str(PACKAGE.parent))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+
+
 def test_registering_twice_changes_nothing():
     import peft_neuroada
 

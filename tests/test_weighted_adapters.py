@@ -11,7 +11,7 @@ from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layer import NeuroAdaLayer
-from peft_neuroada.train.default_model import load_default_model
+from peft_neuroada.train.models import load_default_model
 from tests.conftest import logits, named_neuroada_layers, neuroada_layers, tiny_bert, tiny_llama
 
 

@@ -15,6 +15,8 @@ import torch
 from common import interleaved_samples
 from peft import PeftModel
 
+from peft_neuroada.config import DTYPES
+
 from .meters import (
     MIB,
     SavedTensorMeter,
@@ -147,7 +149,7 @@ class Session:
             torch.set_num_threads(spec.threads)
         self.device = resolve_device(spec.device)
         self.on_cuda = self.device.type == "cuda"
-        model = build_model(spec.model, getattr(torch, spec.dtype), spec.quantize)
+        model = build_model(spec.model, DTYPES[spec.dtype], spec.quantize)
         if spec.quantize is None:
             model = model.to(self.device)
         generator = torch.Generator().manual_seed(spec.seed)

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
-from .protocols import PROTOCOLS
-from .recipes import load_recipe
+PROTOCOL_NAMES = ("lenient", "paper")
+"""protocols.PROTOCOLS' names, spelled out so that `neuroada --help` needs none of the training extra."""
+TRAINING_EXTRA = ("datasets", "yaml", "gguf")
+"""What `pip install -e ".[train]"` adds to the core plugin (gguf only for the embedded default model)."""
 
 _SET_HELP = "override a recipe value, e.g. --set training.max_steps=20 --set data.dir=/data (repeatable)"
 
@@ -44,11 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument("--data-dir", type=Path, required=True, help="folder holding TASK/test.json")
     prompts.add_argument("--task", required=True, help="test set name, e.g. boolq or gsm8k")
     prompts.add_argument("--n", type=int, required=True, help="how many examples, from the start of the file")
-    prompts.add_argument("--protocol", choices=sorted(PROTOCOLS), default="lenient", help="default: lenient")
+    prompts.add_argument("--protocol", choices=PROTOCOL_NAMES, default="lenient", help="default: lenient")
 
     score = commands.add_parser("score", help="re-score saved predictions (JSON lines, e.g. eval's predictions files)")
     score.add_argument("predictions", type=Path, nargs="+", help="files with task, prompt, response, answer per line")
-    score.add_argument("--protocol", choices=sorted(PROTOCOLS), required=True)
+    score.add_argument("--protocol", choices=PROTOCOL_NAMES, required=True)
     score.add_argument("--out", type=Path, required=True, help="where the lines go, each with `correct` set")
 
     demo = commands.add_parser("demo", help="the main job: NeuroAda on SmolLM2-135M, generated tasks, ~5 min on CPU")
@@ -61,10 +64,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def require_training_extra() -> None:
+    """The command's packages are an extra of the plugin; say how to get them rather than fail on an import."""
+    missing = [name for name in TRAINING_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"The neuroada command needs the training extra ({', '.join(missing)} missing): "
+            'pip install -e ".[train]" (or pip install "peft-neuroada[train]").'
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # Imported late so `neuroada --help` answers at once.
+    require_training_extra()
+    # Imported late so `neuroada --help` answers at once, also without the training extra.
     from . import runs
+    from .recipes import load_recipe
 
     if args.command == "train":
         runs.train_and_evaluate(load_recipe(args.config, args.overrides), evaluate=not args.no_eval)

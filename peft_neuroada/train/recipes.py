@@ -20,13 +20,16 @@ import yaml
 from peft import LoraConfig, PeftConfig
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.config import DTYPES
 
+from .glue import GlueTask, glue_task
 from .protocols import PROTOCOLS
 
 
 @dataclass
 class MethodSpec:
-    """The adapter: `neuroada` (k deltas per neuron) or `lora` (rank r, scale alpha / r) as the baseline."""
+    """The adapter: `neuroada` (k deltas per neuron, stored in `delta_dtype`; null follows peft, which keeps them in
+    float32 on half-precision bases) or `lora` (rank r, scale alpha / r) as the baseline."""
 
     name: Literal["neuroada", "lora"] = "neuroada"
     k: int = 1
@@ -34,17 +37,28 @@ class MethodSpec:
     alpha: int = 16
     dropout: float = 0.05
     target_modules: list[str] | str | None = None
+    delta_dtype: str | None = None
 
-    def peft_config(self) -> PeftConfig:
+    def peft_config(self, task_type: str = "CAUSAL_LM", modules_to_save: list[str] | None = None) -> PeftConfig:
+        """The method's peft config; a sequence classifier (`SEQ_CLS`) passes its head as `modules_to_save`."""
         if self.name == "neuroada":
-            return NeuroAdaConfig(k=self.k, target_modules=self.target_modules, task_type="CAUSAL_LM")
+            return NeuroAdaConfig(
+                k=self.k,
+                target_modules=self.target_modules,
+                delta_dtype=self.delta_dtype,
+                task_type=task_type,
+                modules_to_save=modules_to_save,
+            )
         if self.name == "lora":
+            if self.delta_dtype is not None:
+                raise ValueError("method.delta_dtype is NeuroAda's; LoRA keeps peft's adapter dtype.")
             return LoraConfig(
                 r=self.r,
                 lora_alpha=self.alpha,
                 lora_dropout=self.dropout,
                 target_modules=self.target_modules or "all-linear",
-                task_type="CAUSAL_LM",
+                task_type=task_type,
+                modules_to_save=modules_to_save,
             )
         raise ValueError(f"method.name must be 'neuroada' or 'lora' (got {self.name!r}).")
 
@@ -55,9 +69,10 @@ class MethodSpec:
 
 @dataclass
 class DataSpec:
-    """Training data: the union of `train` data sets in `dir`, `train_size` random examples of it (all if null)."""
+    """Training data: the union of `train` data sets in `dir`, `train_size` random examples of it (all if null).
+    `dir` is relative to where `neuroada` runs; the default is a `dataset/` folder there (LLM-Adapters' name)."""
 
-    dir: str = "../shared/datasets"
+    dir: str = "dataset"
     train: list[str] = field(default_factory=lambda: ["commonsense_15k"])
     train_size: int | None = None
     max_length: int = 256
@@ -80,7 +95,6 @@ class TrainingSpec:
     logging_steps: int = 10
     save_steps: int = 500
     bf16: Literal["auto", True, False] = "auto"
-    seed: int = 42
 
 
 @dataclass
@@ -88,7 +102,9 @@ class EvaluationSpec:
     """Test sets scored after training; `size` random examples per task (all if null). Of the two generation
     budgets the lenient protocol gives `options` to tasks whose answer is an option (AQuA's letters too) and
     `number` to arithmetic; the paper protocol gives `options` to commonsense and `number` to math tasks (AQuA
-    included), as the official code's 32 and 512 new tokens."""
+    included), as the official code's 32 and 512 new tokens. `merge` merges the adapter into the weights before
+    evaluating; null merges under the paper protocol (the official code evaluates the merged model) and not
+    otherwise. A GLUE recipe scores its task's held-out validation examples and names no `tasks`."""
 
     tasks: list[str] = field(default_factory=list)
     size: int | None = None
@@ -96,6 +112,7 @@ class EvaluationSpec:
     max_new_tokens_options: int = 32
     max_new_tokens_number: int = 256
     seed: int = 42
+    merge: bool | None = None
 
     @property
     def max_new_tokens(self) -> dict[str, int]:
@@ -106,25 +123,56 @@ class EvaluationSpec:
 class Recipe:
     """One fine-tuning run. `model` is a local path / hub id, or `default` for the embedded SmolLM2-135M-Instruct;
     `dtype` is the dtype its frozen weights are loaded in (bf16 mixed precision is `training.bf16`). `protocol`
-    decides prompts, tokenisation, generation budgets and scoring, for training and evaluation alike."""
+    decides prompts, tokenisation, generation budgets and scoring, for training and evaluation alike.
+
+    `task` is what the run trains: `generation`, a causal LM answering the data sets' prompts (commonsense, math,
+    your own), or `glue`, a sequence classifier with a trained head on the one GLUE task in `data.train`, scored on
+    that task's validation set (glue.py). `seed` is the run's one seed, as the official code's `--seed`: the
+    Trainer's (a new head's initial values, the data order) and for GLUE the validation split's. The paper tunes
+    with 42 and reports seeds 43-46 (`--set seed=43`)."""
 
     name: str
     output_dir: str
     model: str = "default"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: str = "float32"
     protocol: Literal["paper", "lenient"] = "lenient"
+    task: Literal["generation", "glue"] = "generation"
+    seed: int = 42
     method: MethodSpec = field(default_factory=MethodSpec)
     data: DataSpec = field(default_factory=DataSpec)
     training: TrainingSpec = field(default_factory=TrainingSpec)
     evaluation: EvaluationSpec = field(default_factory=EvaluationSpec)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {self.dtype!r}).")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
+        if self.task not in ("generation", "glue"):
+            raise ValueError(f"task must be 'generation' or 'glue' (got {self.task!r}).")
+        if self.task == "glue":
+            if len(self.data.train) != 1:
+                raise ValueError(f"A GLUE recipe trains on one GLUE task; data.train is {self.data.train}.")
+            glue_task(self.data.train[0])
+            if self.evaluation.tasks:
+                raise ValueError(
+                    "A GLUE recipe is scored on its task's held-out validation examples; "
+                    f"evaluation.tasks must be empty (got {self.evaluation.tasks})."
+                )
 
     @property
     def adapter_dir(self) -> Path:
         return Path(self.output_dir) / "adapter"
+
+    @property
+    def glue(self) -> GlueTask | None:
+        """The GLUE task of a `glue` recipe."""
+        return glue_task(self.data.train[0]) if self.task == "glue" else None
+
+    @property
+    def merge_before_evaluation(self) -> bool:
+        merge = self.evaluation.merge
+        return self.protocol == "paper" if merge is None else merge
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

@@ -12,27 +12,37 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .data import dataset_file, load_examples
-from .evaluate import TaskResult, average_accuracy, evaluate_tasks, write_results
+from .evaluate import evaluate_tasks, write_results
+from .glue import classify, encode, predictions, score, write_glue_results
 from .models import load_adapted_model, load_base_model
 from .protocols import get_protocol
 from .recipes import Recipe
 from .scoring import accuracy_by_task, read_predictions, score_predictions, write_predictions
-from .training import fine_tune
+from .training import GlueData, GlueTraining, fine_tune, fine_tune_glue, glue_data
 
 
 @dataclass
 class RunSummary:
-    """One row of a comparison: a method's accuracies with what it cost to train."""
+    """One row of a comparison: a method's score per task (accuracy, or a GLUE task's metric) and on average, with
+    what it cost to train."""
 
     label: str
-    results: list[TaskResult]
+    scores: dict[str, float]
     protocol: str
     trainable_parameters: int = 0
     steps: int = 0
     train_seconds: float = 0.0
 
-    def accuracies(self) -> dict[str, float]:
-        return {result.task: result.accuracy for result in self.results} | {"average": average_accuracy(self.results)}
+    def with_average(self) -> dict[str, float]:
+        """The scores and their unweighted mean over tasks, as the paper's "Avg." column."""
+        if not self.scores:
+            return {}
+        return self.scores | {"average": sum(self.scores.values()) / len(self.scores)}
+
+
+def _for_evaluation(recipe: Recipe, model: PreTrainedModel | PeftModel) -> PreTrainedModel | PeftModel:
+    """The model merged (a new model; the adapter is gone from `model`) when the recipe evaluates merged models."""
+    return model.merge_and_unload() if recipe.merge_before_evaluation and isinstance(model, PeftModel) else model
 
 
 def evaluate_recipe_model(
@@ -41,58 +51,104 @@ def evaluate_recipe_model(
     tokenizer: PreTrainedTokenizerBase,
     output_dir: Path,
     label: str,
-) -> list[TaskResult]:
+) -> dict[str, float]:
     """Score `model` on the recipe's evaluation tasks and write results.json/.csv and predictions to `output_dir`."""
     spec = recipe.evaluation
     if not spec.tasks:
-        return []
-    results = evaluate_tasks(
-        model,
-        tokenizer,
-        recipe.data.dir,
-        spec.tasks,
-        spec.size,
-        spec.seed,
-        spec.batch_size,
-        spec.max_new_tokens,
-        recipe.protocol,
-    )
-    metadata = {"recipe": recipe.name, "model": recipe.model, "method": label, "eval_size_per_task": spec.size}
+        return {}
+    results = evaluate_tasks(_for_evaluation(recipe, model), tokenizer, recipe.data.dir, spec, recipe.protocol)
+    metadata = {
+        "recipe": recipe.name,
+        "model": recipe.model,
+        "method": label,
+        "eval_size_per_task": spec.size,
+        "merged": recipe.merge_before_evaluation,
+    }
     path = write_results(results, output_dir, metadata)
-    print(format_table([RunSummary(label, results, recipe.protocol)]))
+    scores = {result.task: result.accuracy for result in results}
+    print(format_table([RunSummary(label, scores, recipe.protocol)]))
     print(f"results written to {path}")
-    return results
+    return scores
+
+
+def evaluate_glue_model(
+    recipe: Recipe,
+    model: PreTrainedModel | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    data: GlueData,
+    output_dir: Path,
+    label: str,
+    training: GlueTraining | None = None,
+) -> dict[str, float]:
+    """Score `model` on the held-out validation examples of the recipe's GLUE task and write results.json/.csv and
+    the predictions to `output_dir`."""
+    task = data.task
+    rows = encode(task, data.validation.select(data.held_out), tokenizer, recipe.data.max_length)
+    logits = classify(_for_evaluation(recipe, model), rows, recipe.evaluation.batch_size, tokenizer.pad_token_id)
+    labels = [row["labels"] for row in rows]
+    value = score(task, logits, labels)
+    metadata = {
+        "recipe": recipe.name,
+        "model": recipe.model,
+        "method": label,
+        "protocol": recipe.protocol,
+        "seed": recipe.seed,
+        "merged": recipe.merge_before_evaluation,
+        "in_training_size": len(data.in_training),
+        **(training.summary() if training else {}),
+    }
+    records = [
+        {"index": index, "label": label_, "prediction": prediction, "logits": row_logits}
+        for index, label_, prediction, row_logits in zip(
+            data.held_out, labels, predictions(task, logits), logits.tolist(), strict=True
+        )
+    ]
+    path = write_glue_results(task, value, records, output_dir, metadata)
+    scores = {task.name: value}
+    print(format_table([RunSummary(label, scores, recipe.protocol)]))
+    print(f"results written to {path}")
+    return scores
 
 
 def train_and_evaluate(recipe: Recipe, evaluate: bool = True) -> RunSummary:
-    outcome = fine_tune(recipe)
-    print(f"adapter saved to {outcome.adapter_dir}")
-    results = []
-    if evaluate:
-        results = evaluate_recipe_model(
-            recipe, outcome.model, outcome.tokenizer, Path(recipe.output_dir) / "results", recipe.method.label
-        )
-    return RunSummary(
-        recipe.method.label,
-        results,
-        recipe.protocol,
-        outcome.trainable_parameters,
-        outcome.steps,
-        outcome.seconds,
-    )
+    """Train the recipe's adapter, save it, and score it unless `evaluate` is False."""
+    output, label = Path(recipe.output_dir) / "results", recipe.method.label
+    scores: dict[str, float] = {}
+    if recipe.glue:
+        training = fine_tune_glue(recipe)
+        outcome = training.outcome
+        print(f"adapter saved to {outcome.adapter_dir} (best epoch {training.best_epoch:g})")
+        if evaluate:
+            scores = evaluate_glue_model(
+                recipe, outcome.model, outcome.tokenizer, training.data, output, label, training
+            )
+    else:
+        outcome = fine_tune(recipe)
+        print(f"adapter saved to {outcome.adapter_dir}")
+        if evaluate:
+            scores = evaluate_recipe_model(recipe, outcome.model, outcome.tokenizer, output, label)
+    return RunSummary(label, scores, recipe.protocol, outcome.trainable_parameters, outcome.steps, outcome.seconds)
 
 
 def evaluate_saved(recipe: Recipe, adapter_dir: str | Path | None, output_dir: str | Path | None = None) -> RunSummary:
     """Evaluate the recipe's base model with the adapter in `adapter_dir`, or the bare base model when None."""
     protocol, max_length = recipe.protocol, recipe.data.max_length
+    data = glue_data(recipe) if recipe.glue else None
+    num_labels = data.task.num_labels if data else None
     if adapter_dir is None:
-        model, tokenizer = load_base_model(recipe.model, recipe.dtype, protocol, max_length)
+        model, tokenizer = load_base_model(recipe.model, recipe.dtype, protocol, max_length, num_labels)
         label, default_output = "base model", Path(recipe.output_dir) / "results_base"
     else:
-        model, tokenizer = load_adapted_model(recipe.model, adapter_dir, recipe.dtype, protocol, max_length)
+        model, tokenizer = load_adapted_model(
+            recipe.model, adapter_dir, recipe.dtype, protocol, max_length, num_labels
+        )
         label, default_output = recipe.method.label, Path(recipe.output_dir) / "results"
-    results = evaluate_recipe_model(recipe, model, tokenizer, Path(output_dir or default_output), label)
-    return RunSummary(label, results, protocol)
+    output = Path(output_dir or default_output)
+    if data:
+        scores = evaluate_glue_model(recipe, model, tokenizer, data, output, label)
+    else:
+        scores = evaluate_recipe_model(recipe, model, tokenizer, output, label)
+    return RunSummary(label, scores, protocol)
 
 
 def compare(recipes: list[Recipe], output_dir: str | Path, include_base: bool = True) -> list[RunSummary]:
@@ -105,12 +161,12 @@ def compare(recipes: list[Recipe], output_dir: str | Path, include_base: bool = 
 
 
 def _columns(summaries: list[RunSummary]) -> list[str]:
-    tasks = dict.fromkeys(result.task for summary in summaries for result in summary.results)
+    tasks = dict.fromkeys(task for summary in summaries for task in summary.scores)
     return [*tasks, "average"]
 
 
 def format_table(summaries: list[RunSummary]) -> str:
-    """A Markdown table: one row per method, accuracy (%) per task and on average, with training cost and the
+    """A Markdown table: one row per method, its score (%) per task and on average, with training cost and the
     protocol it was scored with."""
     columns = _columns(summaries)
     lines = [
@@ -118,8 +174,8 @@ def format_table(summaries: list[RunSummary]) -> str:
         "|---|---:|---:|---:|" + "---:|" * len(columns) + "---|",
     ]
     for summary in summaries:
-        accuracies = summary.accuracies()
-        cells = [f"{100 * accuracies[c]:.1f}" if c in accuracies else "-" for c in columns]
+        scores = summary.with_average()
+        cells = [f"{100 * scores[c]:.1f}" if c in scores else "-" for c in columns]
         cost = [f"{summary.trainable_parameters:,}", str(summary.steps), f"{summary.train_seconds:.0f} s"]
         if not summary.steps:  # the base model, or an adapter evaluated apart from its training
             cost = ["-"] * len(cost)
@@ -137,7 +193,7 @@ def write_comparison(summaries: list[RunSummary], output_dir: str | Path) -> Non
             "trainable_parameters": s.trainable_parameters,
             "steps": s.steps,
             "train_seconds": round(s.train_seconds, 1),
-            **s.accuracies(),
+            **s.with_average(),
             "protocol": s.protocol,
         }
         for s in summaries
