@@ -38,6 +38,26 @@ def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr:
     return losses
 
 
+def save_tiny_llama(path: Path, tokenizer, max_position_embeddings: int = 512) -> Path:
+    """A random 2-layer Llama sized for `tokenizer`, saved with it to `path` like any local model."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(

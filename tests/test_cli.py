@@ -8,12 +8,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from peft_neuroada.train.cli import PROTOCOL_NAMES, TRAINING_EXTRA, main
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.protocols import PROTOCOLS
+from tests.conftest import save_tiny_llama
 from tests.shared_data import shared_datasets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,22 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A randomly initialised 2-layer Llama with SmolLM2's tokenizer, saved like any local model."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
 
 
 def write_recipe(path: Path, model: Path, output_dir: Path, method: str) -> Path:

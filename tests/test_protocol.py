@@ -15,7 +15,6 @@ from copy import deepcopy
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -27,6 +26,7 @@ from peft_neuroada.train.data import IGNORE_INDEX, Example, dataset_file, load_e
 from peft_neuroada.train.evaluate import generate_responses
 from peft_neuroada.train.models import load_base_model
 from peft_neuroada.train.protocols import get_protocol, task_family
+from tests.conftest import save_tiny_llama
 from tests.shared_data import shared_datasets
 
 PAPER, LENIENT = get_protocol("paper"), get_protocol("lenient")
@@ -151,23 +151,7 @@ def llama_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random 2-layer Llama saved with the SentencePiece-style tokenizer, like any local model."""
-    tokenizer = sentencepiece_llama_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama-sp")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-sp"), sentencepiece_llama_tokenizer(), 1024)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -87,6 +87,23 @@ def training_arguments(recipe: Recipe, **overrides: object) -> TrainingArguments
     return TrainingArguments(**(arguments | overrides))
 
 
+def train_and_save(
+    trainer: Trainer, model: PeftModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, train_examples: int
+) -> TrainingOutcome:
+    """Run `trainer`, timed, then save the adapter it leaves in `model` (the best epoch's when the trainer keeps the
+    best) and the tokenizer to `recipe.adapter_dir`."""
+    trainable, _ = model.get_nb_trainable_parameters()
+    started = time.perf_counter()
+    result = trainer.train()
+    seconds = time.perf_counter() - started
+    model.save_pretrained(recipe.adapter_dir)
+    tokenizer.save_pretrained(recipe.adapter_dir)
+    return TrainingOutcome(
+        model, tokenizer, recipe.adapter_dir, trainer.state.log_history, train_examples, result.global_step, seconds,
+        trainable,
+    )  # fmt: skip
+
+
 def fine_tune(recipe: Recipe) -> TrainingOutcome:
     """Train the recipe's adapter on its data, tokenised as its protocol does, and save it (with the tokenizer) to
     `recipe.adapter_dir`."""
@@ -94,7 +111,6 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
     examples = load_split(recipe.data.dir, recipe.data.train, "train", recipe.data.train_size, recipe.data.seed)
     dataset = get_protocol(recipe.protocol).training_dataset(examples, tokenizer, recipe.data.max_length)
     model = get_peft_model(base, recipe.method.peft_config())
-    trainable, _ = model.get_nb_trainable_parameters()
     trainer = Trainer(
         model=model,
         args=training_arguments(recipe),
@@ -102,21 +118,8 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
         data_collator=training_collator(tokenizer),
         processing_class=tokenizer,
     )
-    started = time.perf_counter()
-    result = trainer.train()
-    seconds = time.perf_counter() - started
-    model.save_pretrained(recipe.adapter_dir)
-    tokenizer.save_pretrained(recipe.adapter_dir)
-    outcome = TrainingOutcome(
-        model,
-        tokenizer,
-        recipe.adapter_dir,
-        trainer.state.log_history,
-        len(dataset),
-        result.global_step,
-        seconds,
-        trainable,
-    )
+    outcome = train_and_save(trainer, model, tokenizer, recipe, len(dataset))
+    trainable, seconds = outcome.trainable_parameters, outcome.seconds
     summary = {
         "recipe": recipe.name,
         "method": recipe.method.label,
@@ -215,7 +218,6 @@ def fine_tune_glue(recipe: Recipe) -> GlueTraining:
     head_size = sum(p.numel() for name in heads for p in getattr(base, name).parameters())
     body_size = sum(p.numel() for p in base.parameters()) - head_size
     model = get_peft_model(base, recipe.method.peft_config("SEQ_CLS", heads))
-    trainable, _ = model.get_nb_trainable_parameters()
 
     def metrics(prediction: EvalPrediction) -> dict[str, float]:
         logits = prediction.predictions
@@ -240,23 +242,11 @@ def fine_tune_glue(recipe: Recipe) -> GlueTraining:
         processing_class=tokenizer,
         compute_metrics=metrics,
     )
-    started = time.perf_counter()
-    result = trainer.train()
-    seconds = time.perf_counter() - started
+    outcome = train_and_save(trainer, model, tokenizer, recipe, len(data.train))
+    seconds = outcome.seconds
     epoch, epoch_scores = best_epoch(trainer.state, task.metric)
-    model.save_pretrained(recipe.adapter_dir)
-    tokenizer.save_pretrained(recipe.adapter_dir)
-    outcome = TrainingOutcome(
-        model,
-        tokenizer,
-        recipe.adapter_dir,
-        trainer.state.log_history,
-        len(data.train),
-        result.global_step,
-        seconds,
-        trainable,
-    )
-    training = GlueTraining(outcome, data, epoch, epoch_scores, head_size, (trainable - head_size) / body_size)
+    body_share = (outcome.trainable_parameters - head_size) / body_size
+    training = GlueTraining(outcome, data, epoch, epoch_scores, head_size, body_share)
     summary = {
         "recipe": recipe.name,
         "method": recipe.method.label,
