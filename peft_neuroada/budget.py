@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from peft.tuners.tuners_utils import _get_in_out_features
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -10,13 +11,15 @@ from .model import targeted_modules
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
-    """(d_out, d_in) of every layer `config` would adapt in `model`, resolving defaults like `get_peft_model` does."""
-    shapes = []
-    for _, module in targeted_modules(model, config):
-        if isinstance(module, (nn.Linear, Conv1D)):
-            d_out, d_in = module.weight.shape if isinstance(module, nn.Linear) else module.weight.shape[::-1]
-            shapes.append((d_out, d_in))
-    return shapes
+    """(d_out, d_in) of every layer `config` would adapt in `model`, resolving defaults like `get_peft_model` does.
+
+    Read from the layers' feature counts, not their weights' shapes: a quantized weight (bitsandbytes 4-bit) is stored
+    packed in a tensor of another shape."""
+    return [
+        _get_in_out_features(module)[::-1]
+        for _, module in targeted_modules(model, config)
+        if isinstance(module, (nn.Linear, Conv1D))
+    ]
 
 
 def neuroada_parameter_count(shapes: list[tuple[int, int]], k: int, neuron_fraction: float = 1.0) -> int:

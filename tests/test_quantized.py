@@ -25,7 +25,8 @@ from torchao.quantization.granularity import PerGroup
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, TorchAoConfig
 
 import peft_neuroada.selection
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, k_for_budget
+from peft_neuroada.budget import targeted_shapes
 from peft_neuroada.quantized import Bnb8bit, QuantizedLinear, quantized_linear
 from peft_neuroada.selection import select_inputs
 
@@ -432,3 +433,12 @@ def test_smollm2_in_4bit_trains_saves_and_reloads(smollm2_path, smollm2_tokenize
     assert (adapted - base_output).abs().max() > 1e-3
     assert_same_storage(before, storage_of(peft_model))
     assert torch.equal(logits(reloaded, tokens), adapted)
+
+
+@EACH_QUANTIZATION
+def test_budgets_count_a_quantized_layer_by_its_features_not_its_packed_storage(tiny_dir, quantization) -> None:
+    float_model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    quantized = load(tiny_dir, quantization)
+    config = NeuroAdaConfig()
+    assert targeted_shapes(quantized, config) == targeted_shapes(float_model, config)
+    assert k_for_budget(quantized, config, lora_rank=4) == k_for_budget(float_model, config, lora_rank=4)
