@@ -104,6 +104,22 @@ def train_and_save(
     )  # fmt: skip
 
 
+def write_train_log(recipe: Recipe, outcome: TrainingOutcome, details: dict) -> None:
+    """`train_log.json` in the recipe's output folder: which run it was, `details` of its kind, and how it went."""
+    summary = {
+        "recipe": recipe.name,
+        "method": recipe.method.label,
+        "protocol": recipe.protocol,
+        "seed": recipe.seed,
+        **details,
+        "train_examples": outcome.train_examples,
+        "steps": outcome.steps,
+        "train_seconds": round(outcome.seconds, 1),
+        "log_history": outcome.log_history,
+    }
+    (Path(recipe.output_dir) / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def fine_tune(recipe: Recipe) -> TrainingOutcome:
     """Train the recipe's adapter on its data, tokenised as its protocol does, and save it (with the tokenizer) to
     `recipe.adapter_dir`."""
@@ -119,19 +135,7 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
         processing_class=tokenizer,
     )
     outcome = train_and_save(trainer, model, tokenizer, recipe, len(dataset))
-    trainable, seconds = outcome.trainable_parameters, outcome.seconds
-    summary = {
-        "recipe": recipe.name,
-        "method": recipe.method.label,
-        "protocol": recipe.protocol,
-        "seed": recipe.seed,
-        "trainable_parameters": trainable,
-        "train_examples": outcome.train_examples,
-        "steps": outcome.steps,
-        "train_seconds": round(seconds, 1),
-        "log_history": outcome.log_history,
-    }
-    (Path(recipe.output_dir) / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_train_log(recipe, outcome, {"trainable_parameters": outcome.trainable_parameters})
     return outcome
 
 
@@ -243,22 +247,8 @@ def fine_tune_glue(recipe: Recipe) -> GlueTraining:
         compute_metrics=metrics,
     )
     outcome = train_and_save(trainer, model, tokenizer, recipe, len(data.train))
-    seconds = outcome.seconds
     epoch, epoch_scores = best_epoch(trainer.state, task.metric)
     body_share = (outcome.trainable_parameters - head_size) / body_size
     training = GlueTraining(outcome, data, epoch, epoch_scores, head_size, body_share)
-    summary = {
-        "recipe": recipe.name,
-        "method": recipe.method.label,
-        "protocol": recipe.protocol,
-        "seed": recipe.seed,
-        "task": task.name,
-        "metric": task.metric,
-        **training.summary(),
-        "train_examples": outcome.train_examples,
-        "steps": outcome.steps,
-        "train_seconds": round(seconds, 1),
-        "log_history": outcome.log_history,
-    }
-    (Path(recipe.output_dir) / "train_log.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_train_log(recipe, outcome, {"task": task.name, "metric": task.metric, **training.summary()})
     return training
