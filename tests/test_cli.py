@@ -53,9 +53,10 @@ def test_the_training_packages_are_an_extra_that_the_test_extra_includes():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
     assert not any(name in core for name in ("datasets", "pyyaml", "gguf"))
-    assert {"datasets", "pyyaml", "gguf"} == {spec.split(">")[0] for spec in project["optional-dependencies"]["train"]}
+    extra = {spec.split(">")[0] for spec in project["optional-dependencies"]["train"]}
+    assert extra == {"datasets", "pyyaml", "gguf", "tqdm"}
     assert "peft-neuroada[train]" in project["optional-dependencies"]["test"]
-    assert set(TRAINING_EXTRA) == {"datasets", "yaml", "gguf"}, "the modules the extra's packages provide"
+    assert set(TRAINING_EXTRA) == {"datasets", "yaml", "gguf", "tqdm"}, "the modules the extra's packages provide"
 
 
 def test_a_missing_training_extra_is_named_with_the_command_that_installs_it(monkeypatch):

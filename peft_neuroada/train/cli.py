@@ -10,7 +10,7 @@ from pathlib import Path
 
 PROTOCOL_NAMES = ("lenient", "paper")
 """protocols.PROTOCOLS' names, spelled out so that `neuroada --help` needs none of the training extra."""
-TRAINING_EXTRA = ("datasets", "yaml", "gguf")
+TRAINING_EXTRA = ("datasets", "yaml", "gguf", "tqdm")
 """What `pip install -e ".[train]"` adds to the core plugin (gguf only for the embedded default model)."""
 
 _SET_HELP = "override a recipe value, e.g. --set training.max_steps=20 --set data.dir=/data (repeatable)"
