@@ -151,7 +151,7 @@ class NeuroAdaModel(BaseTuner):
 
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
         """peft's, except that the biases of an adapter loaded for inference (`is_trainable=False`) stay frozen like
-        its deltas: nothing trains, and its layers keep the in-place path, which needs a frozen bias."""
+        its deltas: nothing of an inference adapter trains."""
         super()._mark_only_adapters_as_trainable(model)
         for name in self.active_adapters:
             config = self.peft_config[name]

@@ -49,12 +49,13 @@ def test_bias_none_trains_only_the_deltas():
     assert trainable(model) == deltas(model)
 
 
-def test_a_trainable_bias_gets_its_dense_gradient_beside_the_deltas():
-    """The in-place path yields no bias gradient, so a layer whose bias trains takes the non-mutating path (see
-    test_fast_path_preconditions): same outputs and gradients, at the cost of a separate bypass product."""
+@pytest.mark.parametrize("inplace", [True, False], ids=["in place", "direct"])
+def test_a_trainable_bias_gets_its_dense_gradient_beside_the_deltas(inplace):
+    """A trained bias keeps its layer on the fast paths, which return its gradient (the output gradient summed over
+    tokens) beside the deltas' (see test_fast_path_preconditions for which path runs)."""
     torch.manual_seed(0)
     base = nn.Linear(12, 10).requires_grad_(False)
-    layer = Linear(base, "default", NeuroAdaConfig(k=3, init_weights=False))
+    layer = Linear(base, "default", NeuroAdaConfig(k=3, init_weights=False, inplace_forward=inplace))
     base.bias.requires_grad_(True)
     x = torch.randn(2, 5, 12)
     layer(x).square().sum().backward()

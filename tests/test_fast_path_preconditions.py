@@ -107,26 +107,6 @@ def test_a_trainable_base_weight_gets_its_dense_gradient():
     torch.testing.assert_close(layer.get_base_layer().weight.grad, reference.grad)
 
 
-@pytest.mark.parametrize("inplace", [True, False], ids=["in place", "direct"])
-def test_a_trained_base_bias_gets_its_dense_gradient_on_the_fast_paths(inplace):
-    layer = make_layer(trainable_bias)
-    layer.inplace_forward["default"] = inplace
-    x = torch.randn(2, 4, 12)
-    layer(x).square().sum().backward()
-    bias = layer.get_base_layer().bias
-    reference = bias.detach().clone().requires_grad_(True)
-    weight = layer.weight_out_in().detach() + layer.get_delta_weight("default")
-    nn.functional.linear(x, weight, reference).square().sum().backward()
-    torch.testing.assert_close(bias.grad, reference.grad)
-    torch.testing.assert_close(layer.neuroada_delta["default"].grad, delta_grad_reference(layer, x, reference))
-
-
-def delta_grad_reference(layer: Linear, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    weight = (layer.weight_out_in().detach() + layer.get_delta_weight("default")).requires_grad_(True)
-    nn.functional.linear(x, weight, bias.detach()).square().sum().backward()
-    return weight.grad.gather(1, layer.neuroada_indices["default"].long())
-
-
 def test_a_model_built_in_inference_mode_generates_merges_and_unmerges():
     """Inference tensors refuse in-place writes outside inference mode: generation takes the non-mutating path, and
     merging writes inside inference mode."""
