@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-_MAX_BLOCK_ELEMENTS = 1 << 24
+from .selection import rows_per_block
 
 # Quantized linear layers NeuroAda cannot read, by the package that defines them.
 _UNSUPPORTED_PACKAGES = {
@@ -149,7 +149,7 @@ class QuantizedLinear:
             return self.rows(start, stop)
         rows = index.long().reshape(-1)
         out = torch.empty(rows.numel(), self.shape[1], dtype=self.dtype, device=self.device)
-        block = max(1, _MAX_BLOCK_ELEMENTS // self.shape[1])
+        block = rows_per_block(self.shape[1])
         for start in range(0, self.shape[0], block):
             wanted = ((rows >= start) & (rows < start + block)).nonzero().squeeze(1)
             if wanted.numel():

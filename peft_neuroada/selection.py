@@ -15,6 +15,13 @@ from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
 
+
+def rows_per_block(d_in: int) -> int:
+    """Rows of a (d_out, d_in) weight read at once, so no transient block (scores, dequantized values) exceeds a fixed
+    number of elements."""
+    return max(1, _MAX_BLOCK_ELEMENTS // d_in)
+
+
 # Per strategy: the score whose k largest entries per row are selected.
 _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "magnitude": lambda block, generator: block.abs(),
@@ -64,12 +71,12 @@ def select_inputs(
         weight = weight.full_tensor()
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     d_out, d_in = weight.shape
-    rows_per_block = max(1, _MAX_BLOCK_ELEMENTS // d_in)
+    block = rows_per_block(d_in)
     selected = torch.empty(d_out, k, dtype=INDEX_DTYPE, device=weight.device)
     with torch.no_grad():
-        for start in range(0, d_out, rows_per_block):
-            score = score_of(weight[start : start + rows_per_block], generator)
-            selected[start : start + rows_per_block] = _top_k_block(score, k).sort(dim=1).values
+        for start in range(0, d_out, block):
+            score = score_of(weight[start : start + block], generator)
+            selected[start : start + block] = _top_k_block(score, k).sort(dim=1).values
     return selected
 
 
