@@ -247,6 +247,38 @@ def test_the_built_library_is_cached_and_reused(fresh_build, monkeypatch):
     assert list(fresh_build.rglob("*.so")) == [built]
 
 
+def _mapped_libraries(name: str) -> set[str]:
+    return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if name in line}
+
+
+@pytest.mark.skipif(not cpu.available() or sys.platform != "linux", reason="needs the C kernels on Linux")
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(), reason="torch is not built with OpenMP")
+def test_c_kernels_run_on_torchs_own_openmp_threads():
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_all(Case(1024, 64, 96, 8), "cpu")
+    finally:
+        torch.set_num_threads(threads_before)
+    assert cpu.library().na_uses_openmp() == 1
+    assert len(_mapped_libraries("libgomp")) == 1, _mapped_libraries("libgomp")
+
+
+@pytest.mark.skipif(cpu.compiler() is None or sys.platform != "linux", reason="needs a C compiler on Linux")
+def test_a_compiler_without_openmp_builds_kernels_on_their_own_threads(fresh_build, monkeypatch):
+    refusing = fresh_build / "cc-without-openmp"
+    refusing.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {cpu.compiler()} "$@"\n')
+    refusing.chmod(0o755)
+    monkeypatch.setenv("CC", str(refusing))
+    assert cpu.library().na_uses_openmp() == 0
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_all(Case(1024, 64, 96, 8, subset=True), "cpu")
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_match_dense_reference_in_the_interpreter():
     """In a fresh process: the interpreter must be on before anything (torch.compile does) imports triton."""

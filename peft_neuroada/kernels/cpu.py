@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -29,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("neuroada_cpu.c")
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
-# Tried first; compilers that do not know it (some Apple clang versions) build the portable library instead.
-NATIVE_FLAGS = ("-march=native",)
+# Tried first, each dropped when the compiler refuses it: OpenMP, so that the kernels run on the OpenMP team torch
+# uses (libgomp is matched by its soname when the library loads into a torch process: no second pool of threads
+# competing with torch's spinning workers), and -march=native (unknown to some Apple clang versions).
+OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
 # Tokens per packed block: x^T of a block (d_in x 80 floats) stays in L2 for every SmolLM2 and 0.55B shape; 32 and
 # 128 measured within a few percent of it on all of them (docs/performance.md, "Compiled kernels").
 TOKEN_BLOCK = 64
@@ -77,9 +80,18 @@ def _cpu_identity() -> str:
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS + NATIVE_FLAGS), _cpu_identity()]).encode()
+        "\0".join([SOURCE.read_text(), cc, version, repr((FLAGS, OPTIONAL_FLAGS)), _cpu_identity()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"neuroada_cpu-{key}.so"
+
+
+def _optional_flag_choices() -> list[list[str]]:
+    """The optional flags to build with, in the order tried: all of them, then every smaller combination, then none."""
+    return [
+        [flag for group in chosen for flag in group]
+        for size in range(len(OPTIONAL_FLAGS), -1, -1)
+        for chosen in itertools.combinations(OPTIONAL_FLAGS, size)
+    ]
 
 
 def _build(cc: str, target: Path) -> None:
@@ -87,12 +99,17 @@ def _build(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    command = [cc, *FLAGS, str(SOURCE), "-o", temporary]
+    *preferred, plain = _optional_flag_choices()
     try:
-        try:
-            command = [cc, *FLAGS, str(SOURCE), "-o", temporary]
-            subprocess.run([*command, *NATIVE_FLAGS], check=True, capture_output=True, timeout=300)
-        except subprocess.CalledProcessError:
-            subprocess.run(command, check=True, capture_output=True, timeout=300)
+        for extra in preferred:
+            try:
+                subprocess.run([*command, *extra], check=True, capture_output=True, timeout=300)
+                break
+            except subprocess.CalledProcessError:
+                continue
+        else:
+            subprocess.run([*command, *plain], check=True, capture_output=True, timeout=300)
         os.replace(temporary, target)
     finally:
         if os.path.exists(temporary):
@@ -107,7 +124,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
-    for fn in (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad, lib.na_vector_width):
+    kernels = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
+    for fn in (*kernels, lib.na_vector_width, lib.na_uses_openmp):
         fn.restype = ctypes.c_int
 
 

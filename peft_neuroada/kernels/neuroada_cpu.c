@@ -2,7 +2,8 @@
  *
  * Plain C99 + GCC/Clang vector extensions (no torch headers: builds in about a second), compiled on first use with
  * -O3 -march=native and loaded through ctypes, which releases the GIL during each call. Every call allocates its own
- * scratch and threads, so concurrent calls from several Python threads are independent.
+ * scratch and runs on its calling thread's OpenMP team (or its own pthreads where OpenMP is missing), so concurrent
+ * calls from several Python threads are independent.
  *
  * Shapes: x (T, d_in), g (T, d_out), any strides; cols (n, k) and rows (n,) int32 or int64, contiguous; rows NULL
  * means rows = arange(n) with n = d_out. Element types: 0 float32, 1 bfloat16, 2 float16. Every index is checked
@@ -20,6 +21,9 @@
  * Threads split the token blocks; the delta gradient adds per-thread partial sums at the end.
  */
 #include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +53,11 @@ typedef int32_t viu __attribute__((vector_size(VW * 4), aligned(4)));
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 int na_vector_width(void) { return VW; }
+#ifdef _OPENMP
+int na_uses_openmp(void) { return 1; }
+#else
+int na_uses_openmp(void) { return 0; }
+#endif
 /* Leading dimension of a packed feature-major block: one vector more than the block, so that its rows do not all map
  * to the same cache sets (a power-of-two stride made tb = 256 blocks 3-6x slower). */
 #define LD(tb) ((tb) + VW)
@@ -224,13 +233,33 @@ typedef struct {
     int worker;
 } task;
 
+/* Split [0, items) into `workers` contiguous ranges, one per thread; returns the workers used.
+ *
+ * Built with OpenMP (the default where the compiler has it), the ranges run on the calling thread's OpenMP team.
+ * Inside a torch process that is torch's own libgomp (the loader matches the library by its soname), so the kernels
+ * reuse torch's worker threads instead of starting threads that compete with those workers while they spin between
+ * torch ops. A team smaller than asked for (OMP_THREAD_LIMIT, nesting) splits the range among the threads it has. */
+#ifdef _OPENMP
+static int parallel_for(int workers, int64_t items, block_fn fn, void *ctx) {
+    if (workers > items) workers = (int)items;
+    if (workers <= 1) {
+        fn(ctx, 0, items, 0);
+        return 1;
+    }
+#pragma omp parallel num_threads(workers)
+    {
+        int64_t team = omp_get_num_threads(), w = omp_get_thread_num();
+        fn(ctx, items * w / team, items * (w + 1) / team, (int)w);
+    }
+    return workers;
+}
+#else
 static void *run_task(void *arg) {
     task *t = (task *)arg;
     t->fn(t->ctx, t->begin, t->end, t->worker);
     return NULL;
 }
 
-/* Split [0, items) into `workers` contiguous ranges; the calling thread runs the first. Returns the workers used. */
 static int parallel_for(int workers, int64_t items, block_fn fn, void *ctx) {
     if (workers > items) workers = (int)items;
     if (workers < 1) workers = 1;
@@ -251,6 +280,7 @@ static int parallel_for(int workers, int64_t items, block_fn fn, void *ctx) {
     }
     return workers;
 }
+#endif
 
 /* Threads worth starting: at most one per token block, and one per MIN_WORK multiply-adds and element moves (a thread
  * start costs tens of microseconds; decoding a token or two stays on the calling thread). */
