@@ -181,8 +181,16 @@ def test_inconsistent_shapes_are_refused():
         kernels.bypass_forward(square.x, square.cols, None, square.delta, 5, out=square.x)
 
 
+@pytest.fixture
+def two_intra_op_threads():
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads_before)
+
+
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_c_kernels_are_safe_from_several_threads_and_with_intra_op_threads():
+def test_c_kernels_are_safe_from_several_threads_and_with_intra_op_threads(two_intra_op_threads):
     cases = [Case(200, 64, 96, 8, subset=i % 2 == 1, seed=i) for i in range(6)]
     errors: list[BaseException] = []
 
@@ -193,16 +201,11 @@ def test_c_kernels_are_safe_from_several_threads_and_with_intra_op_threads():
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        workers = [threading.Thread(target=run, args=(case,)) for case in cases]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-    finally:
-        torch.set_num_threads(threads_before)
+    workers = [threading.Thread(target=run, args=(case,)) for case in cases]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
     assert not errors, errors[0]
 
 
@@ -253,30 +256,20 @@ def _mapped_libraries(name: str) -> set[str]:
 
 @pytest.mark.skipif(not cpu.available() or sys.platform != "linux", reason="needs the C kernels on Linux")
 @pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(), reason="torch is not built with OpenMP")
-def test_c_kernels_run_on_torchs_own_openmp_threads():
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        check_all(Case(1024, 64, 96, 8), "cpu")
-    finally:
-        torch.set_num_threads(threads_before)
+def test_c_kernels_run_on_torchs_own_openmp_threads(two_intra_op_threads):
+    check_all(Case(1024, 64, 96, 8), "cpu")
     assert cpu.library().na_uses_openmp() == 1
     assert len(_mapped_libraries("libgomp")) == 1, _mapped_libraries("libgomp")
 
 
 @pytest.mark.skipif(cpu.compiler() is None or sys.platform != "linux", reason="needs a C compiler on Linux")
-def test_a_compiler_without_openmp_builds_kernels_on_their_own_threads(fresh_build, monkeypatch):
+def test_a_compiler_without_openmp_builds_kernels_on_their_own_threads(fresh_build, monkeypatch, two_intra_op_threads):
     refusing = fresh_build / "cc-without-openmp"
     refusing.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {cpu.compiler()} "$@"\n')
     refusing.chmod(0o755)
     monkeypatch.setenv("CC", str(refusing))
     assert cpu.library().na_uses_openmp() == 0
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        check_all(Case(1024, 64, 96, 8, subset=True), "cpu")
-    finally:
-        torch.set_num_threads(threads_before)
+    check_all(Case(1024, 64, 96, 8, subset=True), "cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -103,11 +103,8 @@ def _build(cc: str, target: Path) -> None:
     *preferred, plain = _optional_flag_choices()
     try:
         for extra in preferred:
-            try:
-                subprocess.run([*command, *extra], check=True, capture_output=True, timeout=300)
+            if subprocess.run([*command, *extra], capture_output=True, timeout=300).returncode == 0:
                 break
-            except subprocess.CalledProcessError:
-                continue
         else:
             subprocess.run([*command, *plain], check=True, capture_output=True, timeout=300)
         os.replace(temporary, target)
@@ -124,8 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
-    kernels = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
-    for fn in (*kernels, lib.na_vector_width, lib.na_uses_openmp):
+    products = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
+    for fn in (*products, lib.na_vector_width, lib.na_uses_openmp):
         fn.restype = ctypes.c_int
 
 
