@@ -20,9 +20,10 @@
  *    the k rows of a zeroed gx^T block (duplicated columns sum), which is transposed out into gx.
  * Threads split the token blocks; the delta gradient adds per-thread partial sums at the end.
  */
-#include <pthread.h>
 #ifdef _OPENMP
 #include <omp.h>
+#else
+#include <pthread.h>
 #endif
 #include <stdint.h>
 #include <stdlib.h>
@@ -226,13 +227,6 @@ static int make_placement(placement *p, const void *cols, int cdt, const void *r
 
 typedef void (*block_fn)(void *ctx, int64_t begin, int64_t end, int worker);
 
-typedef struct {
-    block_fn fn;
-    void *ctx;
-    int64_t begin, end;
-    int worker;
-} task;
-
 /* Split [0, items) into `workers` contiguous ranges, one per thread; returns the workers used.
  *
  * Built with OpenMP (the default where the compiler has it), the ranges run on the calling thread's OpenMP team.
@@ -254,6 +248,13 @@ static int parallel_for(int workers, int64_t items, block_fn fn, void *ctx) {
     return workers;
 }
 #else
+typedef struct {
+    block_fn fn;
+    void *ctx;
+    int64_t begin, end;
+    int worker;
+} task;
+
 static void *run_task(void *arg) {
     task *t = (task *)arg;
     t->fn(t->ctx, t->begin, t->end, t->worker);
