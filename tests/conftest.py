@@ -58,18 +58,19 @@ def save_tiny_llama(path: Path, tokenizer, max_position_embeddings: int = 512) -
     return path
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    """A random 2-layer Llama (seed 0) in eval mode; `overrides` change its config (e.g. tie_word_embeddings)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
+    defaults = {
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    return LlamaForCausalLM(LlamaConfig(**(defaults | overrides))).eval()
 
 
 def tiny_bert() -> BertModel:

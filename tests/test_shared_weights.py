@@ -7,10 +7,9 @@ import pytest
 import torch
 from peft import get_peft_model
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from tests.conftest import named_neuroada_layers
+from tests.conftest import named_neuroada_layers, tiny_llama
 
 
 class TwoLayersOneWeight(nn.Module):
@@ -95,17 +94,7 @@ def test_after_untying_as_the_error_suggests_merge_and_unmerge_are_exact(shared)
 
 
 def test_an_output_head_tied_to_the_embeddings_is_adapted_without_ever_being_written():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    base = LlamaForCausalLM(config).eval()
+    base = tiny_llama(num_hidden_layers=1, tie_word_embeddings=True)
     assert base.lm_head.weight is base.model.embed_tokens.weight
     model = get_peft_model(base, NeuroAdaConfig(k=1, target_modules=["lm_head"], init_weights=False))
     head = model.base_model.model.lm_head
