@@ -91,7 +91,7 @@ def select_by_gradient(
             gradient = gradients.pop(name)
             rows = layer.placement(adapter_name).rows
             tuned = gradient if rows is None else gradient[rows.long()]
-            cols = select_inputs(tuned, layer.neuroada_indices[adapter_name].shape[1])
+            cols = select_inputs(tuned, layer.neuroada_delta[adapter_name].shape[1])
             layer.reselect(adapter_name, cols.to(layer.neuroada_indices[adapter_name].device))
     peft_config = getattr(model, "peft_config", {}).get(adapter_name)
     if peft_config is not None:

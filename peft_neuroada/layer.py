@@ -25,6 +25,7 @@ from .functional import (
     weight_lock,
     write_placed_,
 )
+from .index_storage import from_buffer, to_buffer
 from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
 from .selection import layer_generator, select_inputs, select_neurons
 
@@ -67,8 +68,8 @@ def unreadable_weight(base: nn.Module) -> str | None:
 
 class NeuroAdaLayer(BaseTunerLayer):
     """Adapter state of one layer, per adapter name: `neuroada_delta` (n, k) trainable values at input columns
-    `neuroada_indices` (n, k) of the n tuned neurons; `neuroada_rows` (n,) lists those neurons only when not all
-    d_out of them are tuned."""
+    `placement(name).cols` (n, k) of the n tuned neurons, stored compactly in `neuroada_indices` (see
+    index_storage.py); `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "inplace_forward", "init_weights")
@@ -132,7 +133,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
             weight = self.weight_out_in() if quantized is None else quantized
             tuned_weight = weight if rows is None else weight[rows.long()]
-            self.neuroada_indices[adapter_name] = select_inputs(tuned_weight, k, strategy, generator)
+            cols = select_inputs(tuned_weight, k, strategy, generator)
+            self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
             weight_dtype = weight.dtype
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
@@ -155,14 +157,15 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     def placement(self, adapter_name: str) -> Placement:
         rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        return Placement(self.neuroada_indices[adapter_name], rows)
+        cols = from_buffer(self.neuroada_indices[adapter_name], self.neuroada_delta[adapter_name].shape)
+        return Placement(cols, rows)
 
     def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
         """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""
         if adapter_name in self.merged_adapters:
             raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
         delta = self.neuroada_delta[adapter_name]
-        self.neuroada_indices[adapter_name] = cols.to(self.neuroada_indices[adapter_name].dtype)
+        self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
         with torch.no_grad():
             delta.copy_(self._initial_delta(adapter_name, *delta.shape, delta.dtype))
 
@@ -183,10 +186,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
         dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
         total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
-        placement = self.placement(sources[0][0])
-        self.neuroada_indices[adapter_name] = placement.cols.clone()
-        if placement.rows is not None:
-            self.neuroada_rows[adapter_name] = placement.rows.clone()
+        first = sources[0][0]
+        self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
+        if first in self.neuroada_rows:
+            self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
         requires_grad = self.neuroada_delta[adapter_name].requires_grad
         self.neuroada_delta[adapter_name] = nn.Parameter(total.to(deltas[0].dtype), requires_grad=requires_grad)
 

@@ -30,6 +30,7 @@ from .config import (
     TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
     NeuroAdaConfig,
 )
+from .index_storage import from_buffer, index_dtype, to_buffer
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
@@ -40,7 +41,7 @@ from .layer import (
     unreadable_weight,
 )
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
-from .selection import index_dtype
+from .selection import INDEX_DTYPE
 
 _INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: their names are part of the
@@ -381,10 +382,11 @@ class NeuroAdaModel(BaseTuner):
         state_dict: dict[str, torch.Tensor],
         unwanted_adapter_names: list[str],
     ) -> dict[str, torch.Tensor]:
-        """The adapter's tensors, with index buffers shrunk to the smallest dtype that holds them (int16 mostly)."""
+        """The adapter's tensors, index buffers as (n, k) / (n,) tensors of the smallest dtype that holds them (int16
+        mostly)."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
-        return {key: _compact(value) if _is_index_buffer(key) else value for key, value in selected.items()}
+        return {key: _saved_indices(key, selected) if _is_index_buffer(key) else t for key, t in selected.items()}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
@@ -485,14 +487,19 @@ def _is_index_buffer(key: str) -> bool:
     return len(parts) > 1 and parts[-2] in _INDEX_BUFFERS
 
 
-def _compact(indices: torch.Tensor) -> torch.Tensor:
+def _saved_indices(key: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An index buffer as saved: columns unpacked to the (n, k) shape of their deltas, in the smallest dtype."""
+    indices = state_dict[key]
+    layer, attribute, adapter = key.rsplit(".", 2)
+    if attribute == "neuroada_indices":
+        indices = from_buffer(indices, state_dict[f"{layer}.neuroada_delta.{adapter}"].shape)
     return indices.to(index_dtype(int(indices.max()) + 1)) if indices.numel() else indices
 
 
 def _check_adapter_fits_layer(
     name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
 ) -> None:
-    """Validate a layer's saved tensors before loading them, and cast index tensors to the layer's index dtype."""
+    """Validate a layer's saved tensors before loading them, and turn index tensors into the layer's buffers."""
     index_bounds = dict(zip(_INDEX_BUFFERS, (layer.in_features, layer.out_features), strict=True))
     for attribute in ("neuroada_delta", *index_bounds):
         key = f"{name}.{attribute}.{adapter_name}"
@@ -500,6 +507,8 @@ def _check_adapter_fits_layer(
         if key not in state_dict or adapter_name not in container:
             continue
         saved, expected = state_dict[key], container[adapter_name]
+        if attribute == "neuroada_indices":
+            expected = layer.placement(adapter_name).cols
         if saved.shape != expected.shape:
             raise ValueError(
                 f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
@@ -507,10 +516,11 @@ def _check_adapter_fits_layer(
                 f"needs {tuple(expected.shape)} for this config. Load the adapter on the base model it was trained on."
             )
         if attribute in index_bounds:
-            state_dict[key] = _checked_indices(name, attribute, saved, index_bounds[attribute], expected.dtype)
+            checked = _checked_indices(name, attribute, saved, index_bounds[attribute])
+            state_dict[key] = to_buffer(checked, layer.in_features) if attribute == "neuroada_indices" else checked
 
 
-def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int, dtype: torch.dtype) -> torch.Tensor:
+def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int) -> torch.Tensor:
     if saved.is_floating_point() or saved.is_complex() or saved.dtype == torch.bool:
         raise ValueError(
             f"The NeuroAda adapter's {attribute} for layer '{name}' have dtype {saved.dtype}, not integer."
@@ -522,4 +532,4 @@ def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int,
             f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
             "Load the adapter on the base model it was trained on."
         )
-    return saved.to(dtype)
+    return saved.to(INDEX_DTYPE)

@@ -31,14 +31,9 @@ _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
 STRATEGIES = (*_SCORES, "gradient")
 
 
-# In memory: a dtype every collective backend (gloo, NCCL) can broadcast, since DDP syncs buffers. On disk indices
-# shrink to `index_dtype` (see NeuroAdaModel._get_adapter_state_dict).
+# A dtype every collective backend (gloo, NCCL) can broadcast, since DDP syncs buffers; layers store the columns
+# more compactly (see index_storage.py).
 INDEX_DTYPE = torch.int32
-
-
-def index_dtype(size: int) -> torch.dtype:
-    """Smallest integer dtype able to hold every index into a dimension of `size` entries (the saved dtype)."""
-    return torch.int16 if size <= torch.iinfo(torch.int16).max + 1 else torch.int32
 
 
 def layer_generator(seed: int, layer_name: str) -> torch.Generator:

@@ -126,7 +126,7 @@ def neuroada_layers(model) -> list[NeuroAdaLayer]:
 
 def indices_by_layer(model) -> dict[str, torch.Tensor]:
     """Each NeuroAda layer's selected input indices of the default adapter, by module name."""
-    return {name: layer.neuroada_indices["default"].clone() for name, layer in named_neuroada_layers(model).items()}
+    return {name: layer.placement("default").cols.clone() for name, layer in named_neuroada_layers(model).items()}
 
 
 # A tiny random model and a real pretrained one, for behaviour that must hold on both.

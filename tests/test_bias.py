@@ -64,7 +64,7 @@ def test_a_trainable_bias_gets_its_dense_gradient_beside_the_deltas(inplace):
     reference_bias = base.bias.detach().clone().requires_grad_(True)
     nn.functional.linear(x, base.weight + dense_delta, reference_bias).square().sum().backward()
     torch.testing.assert_close(base.bias.grad, reference_bias.grad)
-    placed_grad = dense_delta.grad.gather(1, layer.neuroada_indices["default"].long())
+    placed_grad = dense_delta.grad.gather(1, layer.placement("default").cols.long())
     torch.testing.assert_close(layer.neuroada_delta["default"].grad, placed_grad)
 
 

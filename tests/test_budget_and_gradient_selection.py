@@ -83,7 +83,7 @@ def test_gradient_selection_picks_the_largest_accumulated_gradients(budget):
     for name, layer in named_neuroada_layers(model).items():
         gradient = reference[name.removeprefix("base_model.model.")]
         expected = gradient.abs().topk(3, dim=1).indices.sort(dim=1).values
-        assert torch.equal(layer.neuroada_indices["default"].long(), expected), name
+        assert torch.equal(layer.placement("default").cols.long(), expected), name
         assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
 
 
@@ -92,9 +92,9 @@ def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(sm
     with pytest.warns(UserWarning, match="call peft_neuroada.select_by_gradient"):
         model = get_peft_model(smollm2, NeuroAdaConfig(k=1, selection="gradient"))
     layer = model.base_model.model.model.layers[3].mlp.down_proj
-    by_magnitude = layer.neuroada_indices["default"].clone()
+    by_magnitude = layer.placement("default").cols.clone()
     select_by_gradient(model, [{**batch, "labels": batch["input_ids"]}])
-    assert not torch.equal(layer.neuroada_indices["default"], by_magnitude)
+    assert not torch.equal(layer.placement("default").cols, by_magnitude)
     assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
 
 

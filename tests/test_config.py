@@ -146,7 +146,7 @@ def test_k_larger_than_layer_inputs_is_clipped_with_a_warning():
         peft_model = get_peft_model(model, NeuroAdaConfig(k=20, target_modules=["0"]))
     layer = peft_model.base_model.model[0]
     assert layer.neuroada_delta["default"].shape == (6, 4)
-    assert sorted(layer.neuroada_indices["default"][0].tolist()) == [0, 1, 2, 3]
+    assert sorted(layer.placement("default").cols[0].tolist()) == [0, 1, 2, 3]
 
 
 def test_explicit_delta_dtype_survives_peft_upcast():

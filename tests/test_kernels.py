@@ -82,7 +82,7 @@ def check_all(case: Case, backend: str) -> None:
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-{}to{}-k{}".format(*s))
 @pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
-@pytest.mark.parametrize("index", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("index", [torch.int16, torch.int32, torch.int64], ids=["int16", "int32", "int64"])
 def test_products_match_dense_reference(backend, shape, subset, index):
     check_all(Case(*shape, subset=subset, index=index), backend)
 

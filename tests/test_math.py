@@ -35,7 +35,7 @@ def make_layer(
 
 def positions(layer: Linear, adapter: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) index pair addressing the tuned entries of a (d_out, d_in) matrix."""
-    cols = layer.neuroada_indices[adapter].long()
+    cols = layer.placement(adapter).cols.long()
     if adapter in layer.neuroada_rows:
         return layer.neuroada_rows[adapter].long()[:, None], cols
     return torch.arange(layer.out_features, device=cols.device)[:, None], cols
@@ -151,7 +151,7 @@ def test_backward_keeps_only_the_input_columns_the_deltas_read():
     layer = make_layer(k=1, d_in=64, d_out=8)
     x = inputs(layer, tokens=3)
     (kept, *_) = saved_for_backward(lambda: layer(x))
-    used = layer.neuroada_indices["default"].unique().numel()
+    used = layer.placement("default").cols.unique().numel()
     assert kept.shape == (6, used) and used <= 8
 
 

@@ -133,7 +133,7 @@ def test_selection_reads_the_dequantized_weights_a_block_of_rows_at_a_time(
     peft_model = get_peft_model(model, NeuroAdaConfig(k=2))
 
     for name, layer in named_neuroada_layers(peft_model).items():
-        assert torch.equal(layer.neuroada_indices["default"], expected[name.removeprefix("base_model.model.")]), name
+        assert torch.equal(layer.placement("default").cols, expected[name.removeprefix("base_model.model.")]), name
     assert rows_read and max(rows_read) <= 10
 
 
@@ -144,7 +144,7 @@ def test_4bit_layers_whose_scale_blocks_span_rows_are_dequantized_one_whole_laye
     peft_model = get_peft_model(model, NeuroAdaConfig(k=2))
 
     for name, layer in named_neuroada_layers(peft_model).items():
-        assert torch.equal(layer.neuroada_indices["default"], expected[name.removeprefix("base_model.model.")]), name
+        assert torch.equal(layer.placement("default").cols, expected[name.removeprefix("base_model.model.")]), name
 
 
 @EACH_QUANTIZATION
@@ -169,7 +169,7 @@ def test_selection_of_a_share_of_neurons_reads_their_dequantized_rows(tiny_dir) 
     for name, layer in named_neuroada_layers(peft_model).items():
         rows = layer.neuroada_rows["default"].long()
         expected = select_inputs(weights[name.removeprefix("base_model.model.")][rows], 3)
-        assert torch.equal(layer.neuroada_indices["default"], expected), name
+        assert torch.equal(layer.placement("default").cols, expected), name
 
 
 @EACH_QUANTIZATION
@@ -277,7 +277,7 @@ def test_adapter_from_a_quantized_base_loads_its_saved_indices_onto_the_full_pre
 ) -> None:
     peft_model = trained(load(tiny_dir, "bnb-nf4"), token_batch, k=1)
     saved_indices = {
-        name: layer.neuroada_indices["default"] for name, layer in named_neuroada_layers(peft_model).items()
+        name: layer.placement("default").cols for name, layer in named_neuroada_layers(peft_model).items()
     }
     peft_model.save_pretrained(tmp_path)
     full_precision = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
@@ -287,7 +287,7 @@ def test_adapter_from_a_quantized_base_loads_its_saved_indices_onto_the_full_pre
     layers = named_neuroada_layers(reloaded)
     adapted = logits(reloaded, token_batch)
 
-    assert all(torch.equal(layers[name].neuroada_indices["default"], saved_indices[name]) for name in saved_indices)
+    assert all(torch.equal(layers[name].placement("default").cols, saved_indices[name]) for name in saved_indices)
     assert any(
         not torch.equal(saved_indices[name], float_selection[name.removeprefix("base_model.model.")])
         for name in saved_indices
@@ -338,7 +338,7 @@ def test_bitsandbytes_layer_not_quantized_yet_is_refused_until_moved_to_its_devi
     expected = select_inputs(dequantize_module_weight(model.model.layers[0].self_attn.q_proj).float(), 1)
     peft_model = get_peft_model(model, config)
     assert torch.equal(
-        peft_model.base_model.model.model.layers[0].self_attn.q_proj.neuroada_indices["default"], expected
+        peft_model.base_model.model.model.layers[0].self_attn.q_proj.placement("default").cols, expected
     )
 
 
@@ -429,7 +429,7 @@ def test_smollm2_in_4bit_trains_saves_and_reloads(smollm2_path, smollm2_tokenize
     reloaded = PeftModel.from_pretrained(load_4bit(), tmp_path).eval()
 
     for name, expected in checked.items():
-        assert torch.equal(layers[f"base_model.model.{name}"].neuroada_indices["default"], expected), name
+        assert torch.equal(layers[f"base_model.model.{name}"].placement("default").cols, expected), name
     assert (adapted - base_output).abs().max() > 1e-3
     assert_same_storage(before, storage_of(peft_model))
     assert torch.equal(logits(reloaded, tokens), adapted)

@@ -63,7 +63,7 @@ def test_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, 
     for low_cpu_mem_usage in (False, True):
         loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)
         layers = neuroada_layers(loaded)
-        assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
+        assert all(layer.placement("default").cols.dtype == torch.int16 for layer in layers)
         assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from tests.conftest import TINY_AND_REAL, hidden, logits, neuroada_layers, tiny_llama
+from tests.conftest import TINY_AND_REAL, hidden, logits, named_neuroada_layers, tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,14 +147,17 @@ def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
     assert load_file(save_file_path).keys() == get_peft_model_state_dict(model).keys()
 
 
-def test_indices_are_int32_in_memory_and_int16_on_disk(tmp_path):
-    """int32 buffers broadcast on every collective backend (DDP syncs buffers); the file stays compact."""
-    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+def test_columns_are_int16_in_memory_packed_into_int32_buffers_and_int16_on_disk(tmp_path):
+    """DDP broadcasts buffers and no collective backend broadcasts int16, so pairs of int16 columns share an int32."""
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=3)).save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
     assert {t.dtype for key, t in saved.items() if key.endswith("neuroada_indices")} == {torch.int16}
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
-    layers = neuroada_layers(loaded)
-    assert all(layer.neuroada_indices["default"].dtype == torch.int32 for layer in layers)
+    for name, layer in named_neuroada_layers(loaded).items():
+        buffer, cols = layer.neuroada_indices["default"], layer.placement("default").cols
+        assert buffer.dtype == torch.int32 and buffer.numel() == (cols.numel() + 1) // 2
+        assert cols.dtype == torch.int16 and cols.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(cols, saved[f"{name}.neuroada_indices"]), name
 
 
 class WideInput(nn.Module):
@@ -174,13 +177,13 @@ class WideInput(nn.Module):
 def test_indices_past_the_int16_range_are_saved_as_int32_and_load_back(tmp_path):
     """A layer with more than 32768 inputs must not wrap its column indices around when saved compactly."""
     model = get_peft_model(WideInput(), NeuroAdaConfig(k=2, target_modules=["wide"], init_weights=False))
-    indices = model.base_model.model.wide.neuroada_indices["default"].clone()
-    assert indices.min() > torch.iinfo(torch.int16).max
+    indices = model.base_model.model.wide.placement("default").cols.clone()
+    assert indices.dtype == torch.int32 and indices.min() > torch.iinfo(torch.int16).max
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")["base_model.model.wide.neuroada_indices"]
     assert saved.dtype == torch.int32 and torch.equal(saved, indices)
     reloaded = PeftModel.from_pretrained(WideInput(), tmp_path)
-    assert torch.equal(reloaded.base_model.model.wide.neuroada_indices["default"], indices)
+    assert torch.equal(reloaded.base_model.model.wide.placement("default").cols, indices)
     x = torch.randn(3, 40000)
     with torch.no_grad():
         assert torch.equal(reloaded(x), model(x))

@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from peft_neuroada.selection import index_dtype, layer_generator, select_inputs, select_neurons
+from peft_neuroada.selection import layer_generator, select_inputs, select_neurons
 from tests.conftest import hidden, indices_by_layer, named_neuroada_layers, real_minilm, tiny_llama
 
 
@@ -52,11 +52,6 @@ def test_neuron_fraction_picks_a_seeded_sorted_subset_of_rows():
     assert rows.numel() == 25 and torch.equal(rows, rows.sort().values)
     assert torch.equal(rows, select_neurons(100, 0.25, layer_generator(0, "x")))
     assert select_neurons(100, 1.0, layer_generator(0, "x")) is None
-
-
-def test_saved_indices_use_int16_when_every_column_fits_else_int32():
-    assert index_dtype(32768) == torch.int16
-    assert index_dtype(32769) == torch.int32
 
 
 @pytest.mark.parametrize("selection", ["magnitude", "reverse", "random"])

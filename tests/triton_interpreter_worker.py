@@ -15,7 +15,7 @@ CASES = [
     Case(37, 50, 70, 5, subset=True, index=torch.int32),
     Case(45, 70, 33, 64, subset=True, dtype=torch.bfloat16),
     Case(70, 40, 9, 20, dtype=torch.float16, index=torch.int32),
-    Case(33, 16, 130, 2),
+    Case(33, 16, 130, 2, index=torch.int16),
 ]
 
 

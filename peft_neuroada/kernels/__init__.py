@@ -23,8 +23,9 @@ and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/
   `torch.use_deterministic_algorithms` (triton's uses float32 atomics): torch;
 * anything else (float64, other devices): torch.
 
-Every product accumulates in float32, reads inputs of any strides, takes int32 or int64 indices, and is a plain
-function of its arguments (no autograd, no state): safe to call from several threads at once.
+Every product accumulates in float32, reads inputs of any strides, takes int16, int32 or int64 indices (layers keep
+int16 columns, see index_storage.py), and is a plain function of its arguments (no autograd, no state): safe to call
+from several threads at once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from . import cpu, torch_ops, triton_ops
 Backend = Literal["auto", "cpu", "triton", "torch"]
 BACKENDS = ("cpu", "triton", "torch")
 _MODULES = {"cpu": cpu, "triton": triton_ops, "torch": torch_ops}
+INDEX_DTYPES = tuple(cpu.INDEX_CODES)
 
 __all__ = ["BACKENDS", "available_backends", "bypass_forward", "bypass_input_grad", "choose_backend", "sampled_grad"]
 
@@ -83,14 +85,14 @@ def _validate(
             raise ValueError(f"{op}: {name} is on {t.device} but cols is on {cols.device}")
         if not t.is_floating_point():
             raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-    if cols.dim() != 2 or cols.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: cols must be an (n, k) int32/int64 tensor, got {cols.dtype} {tuple(cols.shape)}")
+    if cols.dim() != 2 or cols.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: cols must be an (n, k) int16/32/64 tensor, got {cols.dtype} {tuple(cols.shape)}")
     if rows is None:
         if cols.shape[0] != d_out:
             raise ValueError(f"{op}: rows=None means every neuron is tuned, but cols has {cols.shape[0]} rows "
                              f"for {d_out} outputs")  # fmt: skip
-    elif rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.shape[0] != cols.shape[0]:
-        raise ValueError(f"{op}: rows must be an (n,) int32/int64 tensor matching cols {tuple(cols.shape)}, "
+    elif rows.dim() != 1 or rows.dtype not in INDEX_DTYPES or rows.shape[0] != cols.shape[0]:
+        raise ValueError(f"{op}: rows must be an (n,) int16/32/64 tensor matching cols {tuple(cols.shape)}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")  # fmt: skip
     elif rows.device != cols.device:
         raise ValueError(f"{op}: rows is on {rows.device} but cols is on {cols.device}")

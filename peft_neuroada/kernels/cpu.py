@@ -42,7 +42,8 @@ TOKEN_BLOCK = 64
 FORWARD_GATHER_MAX_K = 1
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-INDEX_DTYPES = (torch.int32, torch.int64)
+# Index dtypes and their codes in the C kernels.
+INDEX_CODES = {torch.int32: 0, torch.int64: 1, torch.int16: 2}
 _STATUS = {
     1: "cols has an index outside [0, d_in)",
     2: "out of memory",
@@ -173,8 +174,8 @@ def _matrix(t: torch.Tensor) -> list:
 def _placement(cols: torch.Tensor, rows: torch.Tensor | None) -> tuple[list, torch.Tensor, torch.Tensor | None]:
     cols = cols.contiguous()
     rows = None if rows is None else rows.contiguous()
-    args = [cols.data_ptr(), int(cols.dtype == torch.int64)]
-    args += [None, 0] if rows is None else [rows.data_ptr(), int(rows.dtype == torch.int64)]
+    args = [cols.data_ptr(), INDEX_CODES[cols.dtype]]
+    args += [None, 0] if rows is None else [rows.data_ptr(), INDEX_CODES[rows.dtype]]
     return args, cols, rows  # the contiguous copies stay referenced until the call returns
 
 

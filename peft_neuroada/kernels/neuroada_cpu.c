@@ -5,8 +5,8 @@
  * scratch and runs on its calling thread's OpenMP team (or its own pthreads where OpenMP is missing), so concurrent
  * calls from several Python threads are independent.
  *
- * Shapes: x (T, d_in), g (T, d_out), any strides; cols (n, k) and rows (n,) int32 or int64, contiguous; rows NULL
- * means rows = arange(n) with n = d_out. Element types: 0 float32, 1 bfloat16, 2 float16. Every index is checked
+ * Shapes: x (T, d_in), g (T, d_out), any strides; cols (n, k) and rows (n,) int16, int32 or int64, contiguous; rows
+ * NULL means rows = arange(n) with n = d_out. Element types: 0 float32, 1 bfloat16, 2 float16. Every index is checked
  * before anything is written: a bad one returns NA_BAD_COLUMN or NA_BAD_ROW and leaves the outputs untouched.
  *
  * Layouts. Tokens are walked in blocks of `tb` (a multiple of the vector width), packed into float32 scratch with 8 x 8
@@ -161,10 +161,16 @@ static void *aligned_buffer(int64_t floats) {
     return aligned_alloc(64, bytes);
 }
 
-/* Copy an index array into int32; whether every index lies in [0, limit). */
+/* Copy an index array (int32, int64 or int16: itype 0, 1, 2) into int32; whether every index lies in [0, limit). */
 static int indices_in_range(const void *src, int itype, int64_t count, int64_t limit, int32_t *dst) {
     int bad = 0;
-    if (itype == 0) {
+    if (itype == 2) {
+        const int16_t *s = (const int16_t *)src;
+        for (int64_t e = 0; e < count; e++) {
+            bad |= (s[e] < 0) | ((int64_t)s[e] >= limit);
+            dst[e] = s[e];
+        }
+    } else if (itype == 0) {
         const int32_t *s = (const int32_t *)src;
         for (int64_t e = 0; e < count; e++) {
             bad |= (s[e] < 0) | ((int64_t)s[e] >= limit);

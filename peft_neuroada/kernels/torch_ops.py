@@ -24,6 +24,15 @@ def _check_bounds(cols: torch.Tensor, rows: torch.Tensor | None, d_in: int, d_ou
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 
 
+def _widened(index: torch.Tensor | None) -> torch.Tensor | None:
+    """int16 indices (layers store columns so) as int32, which index_select and the sparse kernels take."""
+    return index.int() if index is not None and index.dtype == torch.int16 else index
+
+
+def _indices(cols: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _widened(cols), _widened(rows)
+
+
 def _tuned_columns(t2d: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t2d if rows is None else t2d.index_select(1, rows)
 
@@ -44,6 +53,7 @@ def _sparse_kernels_cover(t: torch.Tensor, k: int) -> bool:
 def sampled_grad(
     x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None
 ) -> torch.Tensor:
+    cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     tuned = _tuned_columns(grad2d, rows).float()
     n, k = cols.shape
@@ -64,6 +74,7 @@ def bypass_forward(
     d_out: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], d_out)
     n, k = cols.shape
     if _sparse_kernels_cover(x2d, k):
@@ -88,6 +99,7 @@ def bypass_input_grad(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, d_in, grad2d.shape[1])
     tuned = _tuned_columns(grad2d, rows).float()
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=torch.float32, device=grad2d.device)

@@ -1,0 +1,30 @@
+"""How layers keep their selected columns: int16 pairs in an int32 buffer, read back as an (n, k) view."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peft_neuroada.index_storage import from_buffer, index_dtype, to_buffer
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (5, 3), (1, 1), (4, 20)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_columns_of_a_layer_below_32768_inputs_round_trip_through_half_the_int32_bytes(shape):
+    cols = torch.randint(0, 32768, shape, dtype=torch.int32)
+    buffer = to_buffer(cols, d_in=32768)
+    assert buffer.dtype == torch.int32 and buffer.numel() == (cols.numel() + 1) // 2
+    view = from_buffer(buffer, shape)
+    assert view.dtype == torch.int16 and view.shape == shape and torch.equal(view, cols)
+    assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_columns_of_a_wider_layer_stay_int32_and_unpacked():
+    cols = torch.tensor([[32768, 39999]], dtype=torch.int64)
+    buffer = to_buffer(cols, d_in=40000)
+    assert buffer.dtype == torch.int32 and buffer.shape == (1, 2)
+    assert from_buffer(buffer, (1, 2)) is buffer and torch.equal(buffer, cols)
+
+
+def test_saved_indices_use_int16_when_every_column_fits_else_int32():
+    assert index_dtype(32768) == torch.int16
+    assert index_dtype(32769) == torch.int32
