@@ -4,7 +4,8 @@ Three paths compute `W x + b + (P ⊙ Θ) x`, each guarded by the preconditions 
 
 * **in place** (`weight_refusal` finds nothing against it): the deltas are added into the k selected entries of each
   row of the frozen weight for the duration of one matmul, and the saved original entries are written back
-  bit-exactly afterwards. Forward and input gradient cost exactly one dense matmul each, like a frozen layer, and
+  bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.patch_entries`; by torch's
+  gather/scatter_ otherwise). Forward and input gradient cost exactly one dense matmul each, like a frozen layer, and
   nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so threads never see
   or write each other's patched entries.
 * **direct** (`linear_refusal` finds nothing against it: a plain frozen `nn.Linear`/`Conv1D` weight that merely must
@@ -163,6 +164,8 @@ def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], de
     KeyboardInterrupt, or a failing second adapter) restores the weight. Placements of different adapters may overlap:
     each one adds to what the previous wrote.
     """
+    if len(placements) == 1 and kernels.patches_entries(weight, deltas[0]):
+        return _with_delta_added_by_kernel(weight, placements[0], deltas[0], compute)
     row_wise = _row_wise(weight, placements)
     entries = [_locate(weight, placement, row_wise) for placement in placements]
     everything = entries[0] if len(entries) == 1 else _joined(entries)
@@ -176,6 +179,24 @@ def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], de
             else:
                 for located, delta in zip(entries, deltas, strict=True):
                     located.write(located.read() + delta.detach().to(originals.dtype))
+        return compute()
+    finally:
+        try:
+            restore()
+        except BaseException:
+            restore()
+            raise
+
+
+def _with_delta_added_by_kernel(weight: torch.Tensor, placement: Placement, delta: torch.Tensor, compute):
+    """`_with_deltas_added` for one float32 adapter, by the C kernels: one pass saves and patches the entries, one
+    writes them back, each split across threads. `applied` is set by the patch right before it writes and read by the
+    restore, all inside C, so an exception anywhere (also before the patch ran) restores exactly what was patched."""
+    saved = torch.empty(placement.cols.shape, dtype=weight.dtype)
+    applied = torch.zeros((), dtype=torch.int32)
+    restore = functools.partial(kernels.restore_entries, weight, placement.cols, placement.rows, saved, applied)
+    try:
+        kernels.patch_entries(weight, placement.cols, placement.rows, delta, saved, applied)
         return compute()
     finally:
         try:

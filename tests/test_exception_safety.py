@@ -15,7 +15,8 @@ from peft import get_peft_model
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, kernels
+from peft_neuroada.kernels import cpu
 from peft_neuroada.layer import Linear
 from tests.conftest import neuroada_layers, tiny_llama
 
@@ -69,6 +70,23 @@ def two_adapter_layer(d_in: int = 12, d_out: int = 10) -> Linear:
     return layer
 
 
+def one_adapter_layer(d_in: int = 12, d_out: int = 10) -> Linear:
+    """One float32 adapter on the in-place path, whose entries the C kernels patch and restore."""
+    torch.manual_seed(0)
+    base = nn.Linear(d_in, d_out).requires_grad_(False)
+    layer = Linear(base, "a", NeuroAdaConfig(k=3, init_weights=False))
+    assert kernels.patches_entries(base.weight, layer.neuroada_delta["a"])
+    return layer
+
+
+IN_PLACE_LAYERS = [
+    pytest.param(two_adapter_layer, id="two-adapters-torch-entries"),
+    pytest.param(
+        one_adapter_layer, id="one-adapter-c-entries", marks=pytest.mark.skipif(not cpu.available(), reason="no C")
+    ),
+]
+
+
 def weight_unchanged(layer: Linear) -> Callable[[], None]:
     original = layer.get_base_layer().weight.detach().clone()
     merged = list(layer.merged_adapters)
@@ -80,9 +98,10 @@ def weight_unchanged(layer: Linear) -> Callable[[], None]:
     return check
 
 
+@pytest.mark.parametrize("make_layer", IN_PLACE_LAYERS)
 @pytest.mark.parametrize("error", FAILURES, ids=lambda e: e.__name__)
-def test_a_failure_at_any_step_of_the_inplace_forward_restores_the_weight(error):
-    layer = two_adapter_layer()
+def test_a_failure_at_any_step_of_the_inplace_forward_restores_the_weight(error, make_layer):
+    layer = make_layer()
     assert layer.frozen().refusal() is None
     x = torch.randn(4, 12)
     check = weight_unchanged(layer)
@@ -91,9 +110,10 @@ def test_a_failure_at_any_step_of_the_inplace_forward_restores_the_weight(error)
     check()
 
 
+@pytest.mark.parametrize("make_layer", IN_PLACE_LAYERS)
 @pytest.mark.parametrize("error", FAILURES, ids=lambda e: e.__name__)
-def test_a_failure_at_any_step_of_forward_and_backward_restores_the_weight(error):
-    layer = two_adapter_layer()
+def test_a_failure_at_any_step_of_forward_and_backward_restores_the_weight(error, make_layer):
+    layer = make_layer()
     x = torch.randn(4, 12, requires_grad=True)
     check = weight_unchanged(layer)
     fail_at_every_step(lambda: layer(x).square().sum().backward(), check, error)

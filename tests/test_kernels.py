@@ -219,6 +219,52 @@ def test_auto_picks_the_c_kernels_on_cpu_and_torch_ops_for_float64():
     assert_matches(got, case.sampled_grad(), torch.float32)
 
 
+def patched_weight(case: Case, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 (d_out, d_in) weight (a transposed view, as Conv1D's, if asked) and its copy with the deltas added."""
+    storage = torch.randn(case.d_in, case.d_out) if transposed else torch.randn(case.d_out, case.d_in)
+    weight = storage.T if transposed else storage
+    return weight, (weight.double() + case.dense_delta()).float()
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("index", [torch.int16, torch.int32, torch.int64], ids=["int16", "int32", "int64"])
+@pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_patching_entries_adds_the_deltas_and_restoring_gives_back_the_exact_weight(index, subset, transposed):
+    case = Case(1, 70, 40, 20, subset=subset, index=index)
+    weight, expected = patched_weight(case, transposed)
+    original = weight.clone()
+    saved, applied = torch.empty(case.cols.shape), torch.zeros((), dtype=torch.int32)
+    kernels.patch_entries(weight, case.cols, case.rows, case.delta, saved, applied)
+    assert torch.equal(weight, expected) and int(applied) == 1
+    kernels.restore_entries(weight, case.cols, case.rows, saved, applied)
+    assert torch.equal(weight, original) and int(applied) == 0
+    kernels.restore_entries(weight, case.cols, case.rows, saved.fill_(7.0), applied)  # nothing patched: no-op
+    assert torch.equal(weight, original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_to_restore():
+    case = Case(1, 9, 6, 2)
+    weight, _ = patched_weight(case, transposed=False)
+    original = weight.clone()
+    saved, applied = torch.zeros(case.cols.shape), torch.zeros((), dtype=torch.int32)
+    bad = case.cols.clone()
+    bad[-1, -1] = 9
+    with pytest.raises(IndexError, match="cols has an index outside"):
+        kernels.patch_entries(weight, bad, None, case.delta, saved, applied)
+    kernels.restore_entries(weight, bad, None, saved, applied)
+    assert torch.equal(weight, original) and int(applied) == 0
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others_with_torch_ops():
+    weight = torch.zeros(4, 3)
+    assert kernels.patches_entries(weight, torch.zeros(4, 1))
+    assert not kernels.patches_entries(weight.bfloat16(), torch.zeros(4, 1, dtype=torch.bfloat16))
+    assert not kernels.patches_entries(weight, torch.zeros(4, 1, dtype=torch.bfloat16))
+
+
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """An empty kernel cache and no library loaded yet in this process."""

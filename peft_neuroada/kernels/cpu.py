@@ -122,8 +122,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
+    weight = [p, i64, i64]  # data, row stride, column stride
+    lib.na_patch_entries.argtypes = [*weight, *placement, p, p, p, i64, i64, i64, i64, i]
+    lib.na_restore_entries.argtypes = [*weight, *placement, p, p, i64, i64, i]
     products = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
-    for fn in (*products, lib.na_vector_width, lib.na_uses_openmp):
+    entries = (lib.na_patch_entries, lib.na_restore_entries)
+    for fn in (*products, *entries, lib.na_vector_width, lib.na_uses_openmp):
         fn.restype = ctypes.c_int
 
 
@@ -260,3 +264,37 @@ def bypass_input_grad(
     )  # fmt: skip
     _check(status)
     return out
+
+
+def patch_entries(
+    weight: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    delta: torch.Tensor,
+    saved: torch.Tensor,
+    applied: torch.Tensor,
+) -> None:
+    """`weight[rows[i], cols[i, j]] += delta[i, j]` for a float32 (d_out, d_in) weight and float32 deltas, the
+    overwritten entries saved into `saved` (n, k); sets `applied` (an int32 scalar) right before writing."""
+    lib = _required()
+    n, k = cols.shape
+    place, cols, rows = _placement(cols, rows)
+    delta = delta.detach().contiguous()
+    status = lib.na_patch_entries(
+        weight.data_ptr(), weight.stride(0), weight.stride(1), *place, delta.data_ptr(), saved.data_ptr(),
+        applied.data_ptr(), weight.shape[1], weight.shape[0], n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status)
+
+
+def restore_entries(
+    weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, saved: torch.Tensor, applied: torch.Tensor
+) -> None:
+    """Write `saved` back into the entries `patch_entries` patched, if it did (and clear `applied`)."""
+    lib = _required()
+    n, k = cols.shape
+    place, cols, rows = _placement(cols, rows)
+    lib.na_restore_entries(
+        weight.data_ptr(), weight.stride(0), weight.stride(1), *place, saved.data_ptr(), applied.data_ptr(), n, k,
+        torch.get_num_threads(),
+    )  # fmt: skip

@@ -752,3 +752,85 @@ int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const
     free_placement(&p);
     return status;
 }
+
+/* --------------------------------------------------------------------------- in-place path: the weight's entries */
+
+/* The in-place path adds the deltas into the selected entries of a float32 weight for one matmul and writes the
+ * saved values back afterwards. A layer's weight is cold when the layer is visited, so nearly every entry is a cache
+ * miss; one pass that saves and patches each entry, with the rows split across the calling thread's OpenMP team,
+ * overlaps the misses of several cores (torch's gather and scatter_ run such small ops on one thread, in two passes).
+ *
+ * `applied` makes the pair safe to call from Python's try/finally: na_patch_entries sets it once the indices are
+ * checked, right before it writes, and na_restore_entries writes the saved values back only when it is set (and then
+ * clears it), so a restore after a patch that never ran, or failed its check, changes nothing. */
+
+static inline int64_t index_at(const void *src, int itype, int64_t e) {
+    if (itype == 2) return ((const int16_t *)src)[e];
+    return itype == 0 ? ((const int32_t *)src)[e] : ((const int64_t *)src)[e];
+}
+
+typedef struct {
+    float *w;
+    int64_t s0, s1, k;
+    const void *cols, *rows;
+    int cdt, rdt;
+    const float *delta; /* NULL: write `saved` back */
+    float *saved;
+} entries;
+
+static void visit_entries(void *arg, int64_t begin, int64_t end, int worker) {
+    (void)worker;
+    entries *c = arg;
+    for (int64_t i = begin; i < end; i++) {
+        float *row = c->w + (c->rows ? index_at(c->rows, c->rdt, i) : i) * c->s0;
+        for (int64_t e = i * c->k; e < (i + 1) * c->k; e++) {
+            float *entry = row + index_at(c->cols, c->cdt, e) * c->s1;
+            if (c->delta) {
+                c->saved[e] = *entry;
+                *entry = c->saved[e] + c->delta[e];
+            } else {
+                *entry = c->saved[e];
+            }
+        }
+    }
+}
+
+static int entries_in_range(const void *cols, int cdt, const void *rows, int rdt, int64_t d_in, int64_t d_out,
+                            int64_t n, int64_t k) {
+    if (n < 0 || k < 0 || (rows == NULL && n != d_out)) return NA_BAD_ARGUMENT;
+    int bad = 0;
+    for (int64_t e = 0; e < n * k; e++) {
+        int64_t c = index_at(cols, cdt, e);
+        bad |= (c < 0) | (c >= d_in);
+    }
+    if (bad) return NA_BAD_COLUMN;
+    for (int64_t i = 0; rows && i < n; i++) {
+        int64_t r = index_at(rows, rdt, i);
+        bad |= (r < 0) | (r >= d_out);
+    }
+    return bad ? NA_BAD_ROW : NA_OK;
+}
+
+static void visit_all(entries *c, int64_t n, int workers) {
+    parallel_for(worker_count(workers, n, n * c->k * 64), n, visit_entries, c);
+}
+
+int na_patch_entries(float *w, int64_t ws0, int64_t ws1, const void *cols, int cdt, const void *rows, int rdt,
+                     const float *delta, float *saved, int32_t *applied, int64_t d_in, int64_t d_out, int64_t n,
+                     int64_t k, int workers) {
+    int status = entries_in_range(cols, cdt, rows, rdt, d_in, d_out, n, k);
+    if (status) return status;
+    entries c = {w, ws0, ws1, k, cols, rows, cdt, rdt, delta, saved};
+    *applied = 1;
+    visit_all(&c, n, workers);
+    return NA_OK;
+}
+
+int na_restore_entries(float *w, int64_t ws0, int64_t ws1, const void *cols, int cdt, const void *rows, int rdt,
+                       const float *saved, int32_t *applied, int64_t n, int64_t k, int workers) {
+    if (!*applied) return NA_OK;
+    entries c = {w, ws0, ws1, k, cols, rows, cdt, rdt, NULL, (float *)saved};
+    visit_all(&c, n, workers);
+    *applied = 0;
+    return NA_OK;
+}
