@@ -171,21 +171,16 @@ def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], de
     everything = entries[0] if len(entries) == 1 else _joined(entries)
     with torch.no_grad():
         originals = everything.read()
-    restore = everything.writer(originals)
-    try:
-        with torch.no_grad():
-            if len(entries) == 1:
-                entries[0].write(originals + deltas[0].detach().to(originals.dtype))
-            else:
-                for located, delta in zip(entries, deltas, strict=True):
-                    located.write(located.read() + delta.detach().to(originals.dtype))
-        return compute()
-    finally:
-        try:
-            restore()
-        except BaseException:
-            restore()
-            raise
+
+    @torch.no_grad()
+    def patch() -> None:
+        if len(entries) == 1:
+            entries[0].write(originals + deltas[0].detach().to(originals.dtype))
+        else:
+            for located, delta in zip(entries, deltas, strict=True):
+                located.write(located.read() + delta.detach().to(originals.dtype))
+
+    return _patched(patch, compute, everything.writer(originals))
 
 
 def _with_delta_added_by_kernel(weight: torch.Tensor, placement: Placement, delta: torch.Tensor, compute):
@@ -194,9 +189,16 @@ def _with_delta_added_by_kernel(weight: torch.Tensor, placement: Placement, delt
     restore, all inside C, so an exception anywhere (also before the patch ran) restores exactly what was patched."""
     saved = torch.empty(placement.cols.shape, dtype=weight.dtype)
     applied = torch.zeros((), dtype=torch.int32)
+    patch = functools.partial(kernels.patch_entries, weight, placement.cols, placement.rows, delta, saved, applied)
     restore = functools.partial(kernels.restore_entries, weight, placement.cols, placement.rows, saved, applied)
+    return _patched(patch, compute, restore)
+
+
+def _patched(patch: Callable[[], None], compute, restore: Callable[[], object]):
+    """`patch()`, then `compute()`; `restore()` in any case, as the one call in a `finally` (retried once if that call
+    itself is interrupted), so an exception anywhere, KeyboardInterrupt included, leaves the weight as it was."""
     try:
-        kernels.patch_entries(weight, placement.cols, placement.rows, delta, saved, applied)
+        patch()
         return compute()
     finally:
         try:
