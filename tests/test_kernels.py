@@ -258,6 +258,31 @@ def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"weight": torch.zeros(6, 9, dtype=torch.bfloat16)}, "float32 CPU tensors"),
+        ({"saved": torch.zeros(6, 1)}, "saved must be a contiguous"),
+        ({"saved": torch.zeros(2, 6).T}, "saved must be a contiguous"),
+        ({"applied": torch.zeros(1, dtype=torch.int32)}, "applied must be an int32 CPU scalar"),
+        ({"delta": torch.zeros(6, 2, dtype=torch.float64)}, "float32 CPU tensors"),
+    ],
+    ids=["bf16-weight", "small-saved", "strided-saved", "applied-not-scalar", "float64-delta"],
+)
+def test_entry_kernels_refuse_buffers_they_would_write_out_of_bounds(change, error):
+    case = Case(1, 9, 6, 2)
+    args = {"weight": torch.zeros(6, 9), "delta": case.delta, "saved": torch.zeros(6, 2)}
+    args |= {"applied": torch.zeros((), dtype=torch.int32)} | change
+    original = args["weight"].clone()
+    with pytest.raises((TypeError, ValueError), match=error):
+        kernels.patch_entries(args["weight"], case.cols, None, args["delta"], args["saved"], args["applied"])
+    if "delta" not in change:
+        with pytest.raises((TypeError, ValueError), match=error):
+            kernels.restore_entries(args["weight"], case.cols, None, args["saved"], args["applied"])
+    assert torch.equal(args["weight"], original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others_with_torch_ops():
     weight = torch.zeros(4, 3)
     assert kernels.patches_entries(weight, torch.zeros(4, 1))

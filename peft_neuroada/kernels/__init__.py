@@ -215,12 +215,25 @@ def patches_entries(weight: torch.Tensor, delta: torch.Tensor) -> bool:
     )
 
 
+def _validate_entries(op: str, weight, cols, rows, saved, applied, delta=None) -> None:
+    """The C kernels write through raw pointers: refuse any tensor they would read or write out of its bounds."""
+    values = {"weight": weight, "saved": saved} | ({} if delta is None else {"delta": delta})
+    _validate(op, cols, rows, weight.shape[0], values)
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in values.values()):
+        raise TypeError(f"{op}: weight, saved and delta must be float32 CPU tensors (see patches_entries)")
+    if saved.shape != cols.shape or not saved.is_contiguous():
+        raise ValueError(f"{op}: saved must be a contiguous {tuple(cols.shape)} tensor, got {tuple(saved.shape)}")
+    if applied.shape != () or applied.dtype != torch.int32 or applied.device.type != "cpu":
+        raise ValueError(f"{op}: applied must be an int32 CPU scalar, got {applied.dtype} {tuple(applied.shape)}")
+
+
 def patch_entries(weight, cols, rows, delta, saved, applied) -> None:
     """`weight[rows[i], cols[i, j]] += delta[i, j]` in place, the overwritten entries kept (`cpu.patch_entries`)."""
-    _validate("patch_entries", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
+    _validate_entries("patch_entries", weight, cols, rows, saved, applied, delta)
     cpu.patch_entries(weight, cols, rows, delta, saved, applied)
 
 
 def restore_entries(weight, cols, rows, saved, applied) -> None:
     """Undo `patch_entries` exactly, if it ran."""
+    _validate_entries("restore_entries", weight, cols, rows, saved, applied)
     cpu.restore_entries(weight, cols, rows, saved, applied)
