@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-BUFFER_DTYPE = torch.int32
+from .selection import INDEX_DTYPE as BUFFER_DTYPE  # the dtype selection returns: every backend broadcasts it
+
 PACKED_DTYPE = torch.int16
 _PACKED_MAX_COLUMNS = torch.iinfo(PACKED_DTYPE).max + 1
 
