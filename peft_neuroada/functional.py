@@ -4,7 +4,7 @@ Three paths compute `W x + b + (P ⊙ Θ) x`, each guarded by the preconditions 
 
 * **in place** (`weight_refusal` finds nothing against it): the deltas are added into the k selected entries of each
   row of the frozen weight for the duration of one matmul, and the saved original entries are written back
-  bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.patch_entries`; by torch's
+  bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.entry_patch`; by torch's
   gather/scatter_ otherwise). Forward and input gradient cost exactly one dense matmul each, like a frozen layer, and
   nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so threads never see
   or write each other's patched entries.
@@ -185,13 +185,10 @@ def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], de
 
 def _with_delta_added_by_kernel(weight: torch.Tensor, placement: Placement, delta: torch.Tensor, compute):
     """`_with_deltas_added` for one float32 adapter, by the C kernels: one pass saves and patches the entries, one
-    writes them back, each split across threads. `applied` is set by the patch right before it writes and read by the
-    restore, all inside C, so an exception anywhere (also before the patch ran) restores exactly what was patched."""
-    saved = torch.empty(placement.cols.shape, dtype=weight.dtype)
-    applied = torch.zeros((), dtype=torch.int32)
-    patch = functools.partial(kernels.patch_entries, weight, placement.cols, placement.rows, delta, saved, applied)
-    restore = functools.partial(kernels.restore_entries, weight, placement.cols, placement.rows, saved, applied)
-    return _patched(patch, compute, restore)
+    writes them back, each split across threads; the restore writes back exactly what the patch wrote, also when an
+    exception came before or during the patch (`kernels.entry_patch`)."""
+    entries = kernels.entry_patch(weight, placement.cols, placement.rows, delta)
+    return _patched(entries.apply, compute, entries.restore)
 
 
 def _patched(patch: Callable[[], None], compute, restore: Callable[[], object]):
@@ -246,6 +243,43 @@ class InputsKeptWhole:
 INPUTS_KEPT_WHOLE = InputsKeptWhole()
 
 
+class ColumnCompactions:
+    """The input columns one placement reads (`torch.unique` of its cols) and its cols re-indexed into them, kept per
+    cols tensor (layers hand out the same one from step to step, `Linear.placement`): training would otherwise
+    recompute them at every visit of every layer.
+
+    A kept value is used only for the very same tensor (checked by identity through a weak reference, dropped when it
+    dies), viewed the same way and at the same version counter, so indices changed in place, a new index tensor or a
+    reused address never find a stale value. Inference tensors (no version counter) are not kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if cols.is_inference():
+            return _unique_columns(cols)
+        view = (cols.storage_offset(), cols.shape, cols.stride(), cols.dtype, cols._version)
+        kept = self._kept.get(id(cols))
+        if kept is not None and kept[0]() is cols and kept[1] == view:
+            return kept[2], kept[3]
+        used, local = _unique_columns(cols)
+        forget = functools.partial(self._forget, id(cols))
+        self._kept[id(cols)] = (weakref.ref(cols, forget), view, used, local)
+        return used, local
+
+    def _forget(self, key: int, _dead: weakref.ref) -> None:
+        self._kept.pop(key, None)
+
+
+COLUMN_COMPACTIONS = ColumnCompactions()
+
+
+def _unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted distinct columns in `cols` and `cols` as positions among them (shaped like `cols`)."""
+    used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
+    return used, local.view(cols.shape)
+
+
 def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:
     """What backward needs of the layer input: the input itself, or only the columns the deltas read.
 
@@ -255,9 +289,12 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
     d_in = x.shape[-1]
     selected = sum(p.cols.numel() for p in placements)
     if not INPUTS_KEPT_WHOLE.holds(x) and selected <= 2 * d_in:
-        used, local = torch.unique(torch.cat([p.cols.reshape(-1) for p in placements]).long(), return_inverse=True)
+        if len(placements) == 1:
+            used, local = COLUMN_COMPACTIONS.get(placements[0].cols)
+        else:
+            used, local = _unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
         if used.numel() <= _COMPACT_INPUT_MAX_SHARE * d_in:
-            local_cols = local.split([p.cols.numel() for p in placements])
+            local_cols = local.reshape(-1).split([p.cols.numel() for p in placements])
             compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
             return _flatten(x).index_select(1, used), compact
     INPUTS_KEPT_WHOLE.add(x)

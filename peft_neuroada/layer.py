@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any, NamedTuple
@@ -32,6 +33,9 @@ from .selection import layer_generator, select_inputs, select_neurons
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
 BASE_ADAPTER_NAME = "__base__"
+# Per layer and adapter: (index buffer, rows, deltas' shape, the placement made from them). Weak in the layer, so
+# copies of a model make their own and nothing is kept alive, saved or pickled with it.
+_PLACEMENTS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple]] = weakref.WeakKeyDictionary()
 LOAD_WEIGHTS_HINT = (
     "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
     "CPU/disk offloading (for a model too large for your GPU, load it quantized instead)."
@@ -156,9 +160,18 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
+        """The adapter's placement: the same objects from call to call while its index buffer, its rows and its deltas'
+        shape are, so that what backward derives from the columns (`functional.COLUMN_COMPACTIONS`) is kept."""
+        buffer = self.neuroada_indices[adapter_name]
         rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        cols = from_buffer(self.neuroada_indices[adapter_name], self.neuroada_delta[adapter_name].shape)
-        return Placement(cols, rows)
+        shape = self.neuroada_delta[adapter_name].shape
+        if torch.compiler.is_compiling():  # dynamo would guard on the cache's contents
+            return Placement(from_buffer(buffer, shape), rows)
+        kept = _PLACEMENTS.setdefault(self, {})
+        made = kept.get(adapter_name)
+        if made is None or made[0] is not buffer or made[1] is not rows or made[2] != shape:
+            made = kept[adapter_name] = (buffer, rows, shape, Placement(from_buffer(buffer, shape), rows))
+        return made[3]
 
     def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
         """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""

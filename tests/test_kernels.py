@@ -234,12 +234,14 @@ def test_patching_entries_adds_the_deltas_and_restoring_gives_back_the_exact_wei
     case = Case(1, 70, 40, 20, subset=subset, index=index)
     weight, expected = patched_weight(case, transposed)
     original = weight.clone()
-    saved, applied = torch.empty(case.cols.shape), torch.zeros((), dtype=torch.int32)
-    kernels.patch_entries(weight, case.cols, case.rows, case.delta, saved, applied)
-    assert torch.equal(weight, expected) and int(applied) == 1
-    kernels.restore_entries(weight, case.cols, case.rows, saved, applied)
-    assert torch.equal(weight, original) and int(applied) == 0
-    kernels.restore_entries(weight, case.cols, case.rows, saved.fill_(7.0), applied)  # nothing patched: no-op
+    entries = kernels.entry_patch(weight, case.cols, case.rows, case.delta)
+    entries.restore()  # nothing patched yet: a no-op
+    assert torch.equal(weight, original)
+    entries.apply()
+    assert torch.equal(weight, expected)
+    entries.restore()
+    assert torch.equal(weight, original)
+    entries.restore()  # restored already: a no-op
     assert torch.equal(weight, original)
 
 
@@ -248,13 +250,13 @@ def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_
     case = Case(1, 9, 6, 2)
     weight, _ = patched_weight(case, transposed=False)
     original = weight.clone()
-    saved, applied = torch.zeros(case.cols.shape), torch.zeros((), dtype=torch.int32)
     bad = case.cols.clone()
     bad[-1, -1] = 9
+    entries = kernels.entry_patch(weight, bad, None, case.delta)
     with pytest.raises(IndexError, match="cols has an index outside"):
-        kernels.patch_entries(weight, bad, None, case.delta, saved, applied)
-    kernels.restore_entries(weight, bad, None, saved, applied)
-    assert torch.equal(weight, original) and int(applied) == 0
+        entries.apply()
+    entries.restore()
+    assert torch.equal(weight, original)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -262,23 +264,18 @@ def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_
     "change, error",
     [
         ({"weight": torch.zeros(6, 9, dtype=torch.bfloat16)}, "float32 CPU tensors"),
-        ({"saved": torch.zeros(6, 1)}, "saved must be a contiguous"),
-        ({"saved": torch.zeros(2, 6).T}, "saved must be a contiguous"),
-        ({"applied": torch.zeros(1, dtype=torch.int32)}, "applied must be an int32 CPU scalar"),
+        ({"weight": torch.zeros(5, 9)}, "rows=None means every neuron"),
         ({"delta": torch.zeros(6, 2, dtype=torch.float64)}, "float32 CPU tensors"),
+        ({"delta": torch.zeros(6, 1)}, "differ in shape"),
     ],
-    ids=["bf16-weight", "small-saved", "strided-saved", "applied-not-scalar", "float64-delta"],
+    ids=["bf16-weight", "fewer-rows", "float64-delta", "small-delta"],
 )
-def test_entry_kernels_refuse_buffers_they_would_write_out_of_bounds(change, error):
+def test_entry_kernels_refuse_tensors_they_would_read_or_write_out_of_bounds(change, error):
     case = Case(1, 9, 6, 2)
-    args = {"weight": torch.zeros(6, 9), "delta": case.delta, "saved": torch.zeros(6, 2)}
-    args |= {"applied": torch.zeros((), dtype=torch.int32)} | change
+    args = {"weight": torch.zeros(6, 9), "delta": case.delta} | change
     original = args["weight"].clone()
     with pytest.raises((TypeError, ValueError), match=error):
-        kernels.patch_entries(args["weight"], case.cols, None, args["delta"], args["saved"], args["applied"])
-    if "delta" not in change:
-        with pytest.raises((TypeError, ValueError), match=error):
-            kernels.restore_entries(args["weight"], case.cols, None, args["saved"], args["applied"])
+        kernels.entry_patch(args["weight"], case.cols, None, args["delta"])
     assert torch.equal(args["weight"], original)
 
 
@@ -294,7 +291,7 @@ def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others
 def fresh_build(monkeypatch, tmp_path):
     """An empty kernel cache and no library loaded yet in this process."""
     monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu, "_loaded", {})
+    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)
     return tmp_path
 
 
@@ -315,7 +312,7 @@ def test_without_a_working_compiler_everything_falls_back_to_torch_ops(fresh_bui
 def test_the_built_library_is_cached_and_reused(fresh_build, monkeypatch):
     assert cpu.library() is not None
     (built,) = fresh_build.rglob("neuroada_cpu-*.so")
-    monkeypatch.setattr(cpu, "_loaded", {})
+    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)
     monkeypatch.setattr(cpu, "_build", lambda *args: pytest.fail("rebuilt although cached"))
     assert cpu.library() is not None
     assert list(fresh_build.rglob("*.so")) == [built]

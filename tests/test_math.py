@@ -155,6 +155,27 @@ def test_backward_keeps_only_the_input_columns_the_deltas_read():
     assert kept.shape == (6, used) and used <= 8
 
 
+@pytest.mark.parametrize("change", ["in-place", "new-buffer"])
+def test_the_delta_gradient_follows_indices_changed_between_steps(change):
+    """Backward keeps the columns the deltas read from step to step; changed indices must never reuse stale ones."""
+    layer = make_layer(k=1, d_in=64, d_out=8)
+    grad_out = torch.randn(2, 3, layer.out_features)
+    layer(inputs(layer, tokens=3)).backward(grad_out)
+    moved = (layer.placement("default").cols.long() + 1) % layer.in_features
+    if change == "in-place":
+        layer.placement("default").cols.copy_(moved)
+    else:
+        layer.reselect("default", moved)
+        layer.neuroada_delta["default"].data.normal_()
+    layer.neuroada_delta["default"].grad = None
+    x = inputs(layer, tokens=3)
+    layer(x).backward(grad_out)
+    reference, merged = dense_reference(layer, x.detach())
+    reference.backward(grad_out)
+    assert torch.equal(layer.placement("default").cols.long(), moved)
+    torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad[positions(layer)])
+
+
 def test_layers_reading_the_same_input_share_it_instead_of_copying_it():
     first, second = make_layer(k=1, d_in=8, d_out=16), make_layer(k=1, d_in=8, d_out=16)
     x = torch.randn(4, 8, requires_grad=True)

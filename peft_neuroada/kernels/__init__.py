@@ -10,8 +10,8 @@ For a layer with weight (d_out, d_in) and n tuned neurons, each with k trainable
   columns across neurons sum.
 
 And for the in-place path of `functional.py`, on float32 CPU weights with the C kernels built (`patches_entries`):
-`patch_entries` adds the deltas into the selected entries of the weight, keeping the overwritten ones, and
-`restore_entries` writes those back: one pass each over the (cold) weight's entries, split across threads, where
+`entry_patch` adds the deltas into the selected entries of the weight, keeping the overwritten ones, and writes those
+back: one pass each over the (cold) weight's entries, split across threads, where
 torch's gather and scatter_ take two single-threaded passes (a k=20 SmolLM2 step: 1.16x -> 1.08x of the frozen
 model's, docs/performance.md).
 
@@ -53,9 +53,8 @@ __all__ = [
     "bypass_forward",
     "bypass_input_grad",
     "choose_backend",
-    "patch_entries",
+    "entry_patch",
     "patches_entries",
-    "restore_entries",
     "sampled_grad",
 ]
 
@@ -205,7 +204,7 @@ def bypass_input_grad(
 
 
 def patches_entries(weight: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether `patch_entries` and `restore_entries` (the C kernels) handle this weight and these deltas: float32 CPU
+    """Whether `entry_patch` (the C kernels) handles this weight and these deltas: float32 CPU
     tensors in eager mode, with the C kernels built here. The in-place path uses torch's gather/scatter_ otherwise."""
     return (
         weight.device.type == "cpu"
@@ -215,25 +214,11 @@ def patches_entries(weight: torch.Tensor, delta: torch.Tensor) -> bool:
     )
 
 
-def _validate_entries(op: str, weight, cols, rows, saved, applied, delta=None) -> None:
-    """The C kernels write through raw pointers: refuse any tensor they would read or write out of its bounds."""
-    values = {"weight": weight, "saved": saved} | ({} if delta is None else {"delta": delta})
-    _validate(op, cols, rows, weight.shape[0], values)
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in values.values()):
-        raise TypeError(f"{op}: weight, saved and delta must be float32 CPU tensors (see patches_entries)")
-    if saved.shape != cols.shape or not saved.is_contiguous():
-        raise ValueError(f"{op}: saved must be a contiguous {tuple(cols.shape)} tensor, got {tuple(saved.shape)}")
-    if applied.shape != () or applied.dtype != torch.int32 or applied.device.type != "cpu":
-        raise ValueError(f"{op}: applied must be an int32 CPU scalar, got {applied.dtype} {tuple(applied.shape)}")
-
-
-def patch_entries(weight, cols, rows, delta, saved, applied) -> None:
-    """`weight[rows[i], cols[i, j]] += delta[i, j]` in place, the overwritten entries kept (`cpu.patch_entries`)."""
-    _validate_entries("patch_entries", weight, cols, rows, saved, applied, delta)
-    cpu.patch_entries(weight, cols, rows, delta, saved, applied)
-
-
-def restore_entries(weight, cols, rows, saved, applied) -> None:
-    """Undo `patch_entries` exactly, if it ran."""
-    _validate_entries("restore_entries", weight, cols, rows, saved, applied)
-    cpu.restore_entries(weight, cols, rows, saved, applied)
+def entry_patch(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
+    """`weight[rows[i], cols[i, j]] += delta[i, j]` in place (`.apply()`) and its exact undo (`.restore()`), by the C
+    kernels (`cpu.EntryPatch`). The kernels write through raw pointers, so anything they would read or write out of
+    bounds is refused here, before anything runs (a column outside the weight: by `.apply()`, before it writes)."""
+    _validate("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (weight, delta)):
+        raise TypeError("entry_patch: weight and delta must be float32 CPU tensors (see patches_entries)")
+    return cpu.EntryPatch(weight, cols, rows, delta)

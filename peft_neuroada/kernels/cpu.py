@@ -13,6 +13,7 @@ and the dispatcher uses the torch ops.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import itertools
 import logging
@@ -52,7 +53,8 @@ _STATUS = {
 }
 
 _lock = threading.Lock()
-_loaded: dict[tuple[str | None, str | None], ctypes.CDLL | None] = {}
+_UNLOADED = object()
+_library: ctypes.CDLL | None | object = _UNLOADED
 
 
 def cache_dir() -> Path:
@@ -134,15 +136,14 @@ def _declare(lib: ctypes.CDLL) -> None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, building them on first use; None (logged once) when that is not possible here.
 
-    Looked up per call by the two settings that choose the library (a dict lookup: finding the compiler on PATH
-    costs about 0.1 ms)."""
-    key = (os.environ.get("CC"), os.environ.get("PEFT_NEUROADA_CACHE"))
-    if key in _loaded:
-        return _loaded[key]
-    with _lock:
-        if key not in _loaded:
-            _loaded[key] = _load(compiler())
-        return _loaded[key]
+    `CC` and `PEFT_NEUROADA_CACHE` are read at that first use: the library then serves the process (this is called
+    several times per adapted layer and step, where reading the environment each time measurably costs)."""
+    global _library
+    if _library is _UNLOADED:
+        with _lock:
+            if _library is _UNLOADED:
+                _library = _load(compiler())
+    return _library
 
 
 def _load(cc: str | None) -> ctypes.CDLL | None:
@@ -266,35 +267,33 @@ def bypass_input_grad(
     return out
 
 
-def patch_entries(
-    weight: torch.Tensor,
-    cols: torch.Tensor,
-    rows: torch.Tensor | None,
-    delta: torch.Tensor,
-    saved: torch.Tensor,
-    applied: torch.Tensor,
-) -> None:
-    """`weight[rows[i], cols[i, j]] += delta[i, j]` for a float32 (d_out, d_in) weight and float32 deltas, the
-    overwritten entries saved into `saved` (n, k); sets `applied` (an int32 scalar) right before writing."""
-    lib = _required()
-    n, k = cols.shape
-    place, cols, rows = _placement(cols, rows)
-    delta = delta.detach().contiguous()
-    status = lib.na_patch_entries(
-        weight.data_ptr(), weight.stride(0), weight.stride(1), *place, delta.data_ptr(), saved.data_ptr(),
-        applied.data_ptr(), weight.shape[1], weight.shape[0], n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    _check(status)
+class EntryPatch:
+    """`weight[rows[i], cols[i, j]] += delta[i, j]` (`apply`) and its exact undo (`restore`) for a float32
+    (d_out, d_in) weight and float32 deltas, each one C call with its arguments prepared here once (they run on every
+    visit of a layer, forward and backward, so the Python around them is a visible share of a k = 1 step).
 
+    `apply` saves the overwritten entries and sets an int32 flag right before writing; `restore` writes them back only
+    when the flag is set (and clears it), so calling it in a `finally`, also after an `apply` that never ran or failed
+    its index check, restores exactly what was patched. The tensors whose memory the C code reads or writes (the
+    weight's storage included, should the weight be given another one meanwhile) stay referenced by the object."""
 
-def restore_entries(
-    weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, saved: torch.Tensor, applied: torch.Tensor
-) -> None:
-    """Write `saved` back into the entries `patch_entries` patched, if it did (and clear `applied`)."""
-    lib = _required()
-    n, k = cols.shape
-    place, cols, rows = _placement(cols, rows)
-    lib.na_restore_entries(
-        weight.data_ptr(), weight.stride(0), weight.stride(1), *place, saved.data_ptr(), applied.data_ptr(), n, k,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    def __init__(self, weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
+        lib = _required()
+        n, k = cols.shape
+        place, cols, rows = _placement(cols, rows)
+        delta = delta.detach().contiguous()
+        saved = torch.empty(n, k, dtype=torch.float32)
+        applied = torch.zeros((), dtype=torch.int32)
+        self._memory = (weight.untyped_storage(), cols, rows, delta, saved, applied)
+        at = [weight.data_ptr(), weight.stride(0), weight.stride(1), *place]
+        workers = torch.get_num_threads()
+        self._apply = functools.partial(
+            lib.na_patch_entries, *at, delta.data_ptr(), saved.data_ptr(), applied.data_ptr(), weight.shape[1],
+            weight.shape[0], n, k, workers,
+        )  # fmt: skip
+        self.restore = functools.partial(
+            lib.na_restore_entries, *at, saved.data_ptr(), applied.data_ptr(), n, k, workers
+        )
+
+    def apply(self) -> None:
+        _check(self._apply())
