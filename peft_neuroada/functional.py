@@ -250,7 +250,8 @@ class ColumnCompactions:
 
     A kept value is used only for the very same tensor (checked by identity through a weak reference, dropped when it
     dies), viewed the same way and at the same version counter, so indices changed in place, a new index tensor or a
-    reused address never find a stale value. Inference tensors (no version counter) are not kept."""
+    reused address never find a stale value (writes through `.data` bypass version counters, and so this check, as they
+    bypass autograd's own). Inference tensors (no version counter) are not kept."""
 
     def __init__(self) -> None:
         self._kept: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
