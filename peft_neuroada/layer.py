@@ -167,7 +167,9 @@ class NeuroAdaLayer(BaseTunerLayer):
         shape = self.neuroada_delta[adapter_name].shape
         if torch.compiler.is_compiling():  # dynamo would guard on the cache's contents
             return Placement(from_buffer(buffer, shape), rows)
-        kept = _PLACEMENTS.setdefault(self, {})
+        kept = _PLACEMENTS.get(self)
+        if kept is None:
+            kept = _PLACEMENTS[self] = {}
         made = kept.get(adapter_name)
         if made is None or made[0] is not buffer or made[1] is not rows or made[2] != shape:
             made = kept[adapter_name] = (buffer, rows, shape, Placement(from_buffer(buffer, shape), rows))
