@@ -3,10 +3,12 @@ interleaved timing loop, and the Markdown tables they print."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -17,22 +19,30 @@ Samples = dict[str, tuple[list[float], list[float]]]
 
 
 def interleaved_samples(
-    calls: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None, seed: int = 0
+    calls: dict[str, Callable[[], object]],
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+    seed: int = 0,
+    setups: Mapping[str, Callable[[], AbstractContextManager]] | None = None,
 ) -> Samples:
     """Wall and process-CPU seconds of every call of each of `calls`, per name, timed round-robin so that load from
     other jobs on the machine hits every candidate alike. Each round runs the calls in a new (seeded) order: in a fixed
     order, the call after a large matmul measured up to 3x slower on a 2-vCPU VM. `sync` runs before and after each
-    call (CUDA: time the kernels, not their launches). CPU time is far less disturbed by other jobs than wall time."""
+    call (CUDA: time the kernels, not their launches). CPU time is far less disturbed by other jobs than wall time.
+    `setups[name]()` is a context entered before that call's clock starts and left after it stops (e.g. a mode switch
+    that is not part of what is measured)."""
     samples: Samples = {name: ([], []) for name in calls}
+    setups = setups or {}
     order = random.Random(seed)
     for _ in range(repeats):
         for name, fn in order.sample(list(calls.items()), len(calls)):
-            sync()
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            fn()
-            sync()
-            samples[name][0].append(time.perf_counter() - start_wall)
-            samples[name][1].append(time.process_time() - start_cpu)
+            with setups.get(name, contextlib.nullcontext)():
+                sync()
+                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                fn()
+                sync()
+                samples[name][0].append(time.perf_counter() - start_wall)
+                samples[name][1].append(time.process_time() - start_cpu)
     return samples
 
 

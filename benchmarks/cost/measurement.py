@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import multiprocessing
 import statistics
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -163,26 +165,30 @@ class Session:
         self.result = Result(spec.variant, label, trainable_params=sum(p.numel() for p in self.params))
         self.paired = isinstance(self.model, PeftModel)
 
+    def backward(self) -> None:
+        self.model(input_ids=self.input_ids, labels=self.input_ids).loss.backward()
+
     def step(self) -> None:
         """fwd + bwd + AdamW step; the floor has nothing to optimize and stops after backward."""
-        self.model(input_ids=self.input_ids, labels=self.input_ids).loss.backward()
+        self.backward()
+        self.optimize()
+
+    def optimize(self) -> None:
         if self.optimizer is not None:
-            grads = tensor_bytes(p.grad for p in self.params if p.grad is not None)
-            self.result.grad_bytes = max(self.result.grad_bytes, grads)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def floor_step(self) -> None:
-        with as_floor(self.model):
-            self.model(input_ids=self.input_ids, labels=self.input_ids).loss.backward()
+        """The floor's step: run with the model set up as the floor (`setups`)."""
+        self.backward()
 
     def infer(self) -> None:
         with torch.no_grad():
             self.model(input_ids=self.input_ids)
 
     def floor_infer(self) -> None:
-        with adapters_disabled(self.model):
-            self.infer()
+        """The base model's forward: run with the adapters disabled (`setups`)."""
+        self.infer()
 
     def calls(self, name: str) -> dict[str, Callable[[], None]]:
         """The calls to time for `name` ("step" or "infer"): the variant's, plus the in-process floor's if any."""
@@ -191,16 +197,31 @@ class Session:
             calls[f"floor_{name}"] = getattr(self, f"floor_{name}")
         return calls
 
+    def setups(self, name: str) -> dict[str, Callable[[], AbstractContextManager]]:
+        """The mode each floor call runs in, entered and left outside its timing: peft's `disable_adapter` reads every
+        layer's status on entry (~17 ms on SmolLM2), which is not the floor's work."""
+        if not self.paired:
+            return {}
+        mode = as_floor if name == "step" else adapters_disabled
+        return {f"floor_{name}": functools.partial(mode, self.model)}
+
+    def warm_up(self, name: str) -> None:
+        """One untimed call of each of `calls(name)`, in its mode."""
+        setups = self.setups(name)
+        for call, fn in self.calls(name).items():
+            with setups.get(call, contextlib.nullcontext)():
+                fn()
+
     def sync(self) -> None:
         if self.on_cuda:
             torch.cuda.synchronize()
 
-    def timed(self, calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-        """Wall and process-CPU seconds of each call, the calls interleaved, as `{name}_wall` / `{name}_cpu`."""
-        samples = interleaved_samples(calls, repeats, self.sync)
+    def timed(self, name: str, repeats: int) -> dict[str, list[float]]:
+        """Wall and process-CPU seconds of each of `calls(name)`, interleaved, as `{call}_wall` / `{call}_cpu`."""
+        samples = interleaved_samples(self.calls(name), repeats, self.sync, setups=self.setups(name))
         return {
-            f"{name}_{clock}": times
-            for name, (wall, cpu) in samples.items()
+            f"{call}_{clock}": times
+            for call, (wall, cpu) in samples.items()
             for clock, times in (("wall", wall), ("cpu", cpu))
         }
 
@@ -220,10 +241,12 @@ def measure_memory(spec: RunSpec) -> Result:
         reset_peak_rss()
     meter = SavedTensorMeter(session.model)
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda tensor: tensor):
-        session.step()
+        session.backward()
+    result = session.result
+    result.grad_bytes = tensor_bytes(p.grad for p in session.params if p.grad is not None)
+    session.optimize()
     session.step()
     peak = torch.cuda.max_memory_allocated() if session.on_cuda else peak_rss_bytes()
-    result = session.result
     result.peak_growth_bytes = peak - session.baseline
     result.memory_source = "cuda max_memory_allocated" if session.on_cuda else "peak RSS (VmHWM)"
     result.saved_bytes = meter.total
@@ -237,15 +260,13 @@ def measure_time(spec: RunSpec) -> Result:
     """Training-step and no-grad forward times, after warmup, with the default allocator."""
     session = Session(spec)
     for _ in range(spec.warmup):
-        for fn in session.calls("step").values():
-            fn()
+        session.warm_up("step")
     result = session.result
-    result.add_samples(session.timed(session.calls("step"), spec.steps))
+    result.add_samples(session.timed("step", spec.steps))
     if spec.infer_steps:
         session.model.eval()
-        for fn in session.calls("infer").values():
-            fn()
-        result.add_samples(session.timed(session.calls("infer"), spec.infer_steps))
+        session.warm_up("infer")
+        result.add_samples(session.timed("infer", spec.infer_steps))
     return result
 
 
