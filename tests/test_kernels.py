@@ -246,6 +246,53 @@ def test_patching_entries_adds_the_deltas_and_restoring_gives_back_the_exact_wei
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_entry_patches_are_prepared_once_per_set_of_tensors_and_never_handed_out_twice_while_in_use():
+    case = Case(1, 70, 40, 20)
+    weight, expected = patched_weight(case, transposed=False)
+    original, cols = weight.clone(), case.cols.contiguous()  # a layer's columns are contiguous
+    first = kernels.entry_patch(weight, cols, None, case.delta)
+    first.restore()
+    again = kernels.entry_patch(weight, cols, None, case.delta)
+    assert again is first
+    nested = kernels.entry_patch(weight, cols, None, case.delta)  # `again` is not restored yet
+    assert nested is not again
+    again.apply()
+    nested.apply()
+    assert torch.equal(weight, expected + case.dense_delta().float())  # float32 additions, one per visit
+    nested.restore()
+    assert torch.equal(weight, expected)
+    again.restore()
+    assert torch.equal(weight, original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_a_kept_entry_patch_follows_deltas_given_new_memory():
+    case = Case(1, 70, 40, 20)
+    weight, _ = patched_weight(case, transposed=False)
+    original = weight.clone()
+    delta, cols = case.delta.clone(), case.cols.contiguous()
+    kernels.entry_patch(weight, cols, None, delta).restore()
+    delta.data = 2 * delta  # new memory, as `param.data = ...` gives
+    entries = kernels.entry_patch(weight, cols, None, delta)
+    entries.apply()
+    assert torch.equal(weight, (original.double() + 2 * case.dense_delta()).float())
+    entries.restore()
+    assert torch.equal(weight, original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_patching_entries_that_are_patched_already_is_refused_before_writing():
+    case = Case(1, 9, 6, 2)
+    weight, expected = patched_weight(case, transposed=False)
+    entries = kernels.entry_patch(weight, case.cols, None, case.delta)
+    entries.apply()
+    with pytest.raises(RuntimeError, match="patched already"):
+        entries.apply()
+    assert torch.equal(weight, expected)
+    entries.restore()
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_to_restore():
     case = Case(1, 9, 6, 2)
     weight, _ = patched_weight(case, transposed=False)

@@ -213,11 +213,29 @@ def patches_entries(weight: torch.Tensor, delta: torch.Tensor) -> bool:
     )
 
 
+# Prepared entry patches by `cpu.patch_facts`; emptied when full (a model's layers take one entry per adapter).
+_PREPARED: dict[tuple, cpu.EntryPatch] = {}
+_PREPARED_MAX = 4096
+
+
 def entry_patch(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
     """`weight[rows[i], cols[i, j]] += delta[i, j]` in place (`.apply()`) and its exact undo (`.restore()`), by the C
     kernels (`cpu.EntryPatch`). The kernels write through raw pointers, so anything they would read or write out of
-    bounds is refused here, before anything runs (a column outside the weight: by `.apply()`, before it writes)."""
-    _validate("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (weight, delta)):
-        raise TypeError("entry_patch: weight and delta must be float32 CPU tensors (see patches_entries)")
-    return cpu.EntryPatch(weight, cols, rows, delta)
+    bounds is refused here, before anything runs (a column outside the weight: by `.apply()`, before it writes).
+
+    A layer's visits hand the same tensors here again and again, so the prepared patch is kept and handed out again
+    for tensors with the same `cpu.patch_facts` (what its calls depend on, the memory addresses included): checking
+    those costs a few microseconds where preparing costs tens in a model. A patch still in use (not restored) is
+    never handed out twice. Visits of one weight must not run concurrently (`functional` holds the weight's lock)."""
+    facts = cpu.patch_facts(weight, cols, rows, delta)
+    patch = _PREPARED.get(facts)
+    if patch is None or patch.in_use:
+        _validate("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (weight, delta)):
+            raise TypeError("entry_patch: weight and delta must be float32 CPU tensors (see patches_entries)")
+        patch = cpu.EntryPatch(weight, cols, rows, delta)
+        if patch.reusable:
+            if len(_PREPARED) >= _PREPARED_MAX:
+                _PREPARED.clear()
+            _PREPARED[facts] = patch
+    return patch.hold(weight)

@@ -50,6 +50,7 @@ _STATUS = {
     2: "out of memory",
     3: "invalid sizes",
     4: "rows has an index outside [0, d_out)",
+    5: "the entries are patched already (a nested visit of the same weight)",
 }
 
 _lock = threading.Lock()
@@ -125,8 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
     weight = [p, i64, i64]  # data, row stride, column stride
-    lib.na_patch_entries.argtypes = [*weight, *placement, p, p, p, i64, i64, i64, i64, i]
-    lib.na_restore_entries.argtypes = [*weight, *placement, p, p, i64, i64, i]
+    lib.na_patch_entries.argtypes = [*weight, *placement, p, p, i64, i64, i64, i64, i]
+    lib.na_restore_entries.argtypes = [*weight, *placement, p, i64, i64, i]
     products = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
     entries = (lib.na_patch_entries, lib.na_restore_entries)
     for fn in (*products, *entries, lib.na_vector_width, lib.na_uses_openmp):
@@ -267,33 +268,61 @@ def bypass_input_grad(
     return out
 
 
+class _PatchState(ctypes.Structure):
+    """`patch_state` of neuroada_cpu.c: whether the entries are patched, and their saved values while they are."""
+
+    _fields_ = [("applied", ctypes.c_int32), ("saved", ctypes.c_void_p)]
+
+
+def patch_facts(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor) -> tuple:
+    """Everything an `EntryPatch`'s prepared calls depend on: memory addresses, shapes, strides, dtypes and devices of
+    the tensors, and the thread count. Two sets of tensors with the same facts get identical prepared calls."""
+    tensors = (weight, cols, delta) if rows is None else (weight, cols, delta, rows)
+    return (*((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors), torch.get_num_threads())
+
+
 class EntryPatch:
     """`weight[rows[i], cols[i, j]] += delta[i, j]` (`apply`) and its exact undo (`restore`) for a float32
     (d_out, d_in) weight and float32 deltas, each one C call with its arguments prepared here once (they run on every
     visit of a layer, forward and backward, so the Python around them is a visible share of a k = 1 step).
 
-    `apply` saves the overwritten entries and sets an int32 flag right before writing; `restore` writes them back only
-    when the flag is set (and clears it), so calling it in a `finally`, also after an `apply` that never ran or failed
-    its index check, restores exactly what was patched. The tensors whose memory the C code reads or writes (the
-    weight's storage included, should the weight be given another one meanwhile) stay referenced by the object."""
+    `apply` saves the overwritten entries and marks the patch applied right before writing; `restore` writes them
+    back only when it is applied (and clears that), so calling it in a `finally`, also after an `apply` that never ran
+    or failed its index check, restores exactly what was patched. The calls read the tensors' memory through raw
+    addresses: the weight's storage is held from `hold` until `restore` (should the weight be given another one
+    meanwhile), and contiguous copies made here are kept by the object. `reusable` tells whether the calls point
+    into the given tensors themselves (no copies), i.e. stay valid for any tensors with the same `patch_facts`."""
 
     def __init__(self, weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
         lib = _required()
         n, k = cols.shape
-        place, cols, rows = _placement(cols, rows)
-        delta = delta.detach().contiguous()
-        saved = torch.empty(n, k, dtype=torch.float32)
-        applied = torch.zeros((), dtype=torch.int32)
-        self._memory = (weight.untyped_storage(), cols, rows, delta, saved, applied)
-        at = [weight.data_ptr(), weight.stride(0), weight.stride(1), *place]
-        workers = torch.get_num_threads()
-        self._apply = functools.partial(
-            lib.na_patch_entries, *at, delta.data_ptr(), saved.data_ptr(), applied.data_ptr(), weight.shape[1],
-            weight.shape[0], n, k, workers,
-        )  # fmt: skip
-        self.restore = functools.partial(
-            lib.na_restore_entries, *at, saved.data_ptr(), applied.data_ptr(), n, k, workers
+        place, contiguous_cols, contiguous_rows = _placement(cols, rows)
+        contiguous_delta = delta.detach().contiguous()
+        self.reusable = (
+            contiguous_cols is cols and contiguous_rows is rows and contiguous_delta.data_ptr() == delta.data_ptr()
         )
+        self._memory = (contiguous_cols, contiguous_rows, contiguous_delta)
+        self._state = _PatchState()
+        self._held: torch.UntypedStorage | None = None
+        self.in_use = False
+        at = [weight.data_ptr(), weight.stride(0), weight.stride(1), *place]
+        state, workers = ctypes.addressof(self._state), torch.get_num_threads()
+        self._apply = functools.partial(
+            lib.na_patch_entries, *at, contiguous_delta.data_ptr(), state, weight.shape[1], weight.shape[0], n, k,
+            workers,
+        )  # fmt: skip
+        self._restore = functools.partial(lib.na_restore_entries, *at, state, n, k, workers)
+
+    def hold(self, weight: torch.Tensor) -> EntryPatch:
+        """Keep `weight`'s storage alive until `restore` and mark the patch in use; returns the patch."""
+        self._held = weight.untyped_storage()
+        self.in_use = True
+        return self
 
     def apply(self) -> None:
         _check(self._apply())
+
+    def restore(self) -> None:
+        self._restore()
+        self._held = None
+        self.in_use = False

@@ -37,6 +37,7 @@
 #define NA_NO_MEMORY 2
 #define NA_BAD_ARGUMENT 3
 #define NA_BAD_ROW 4
+#define NA_PATCHED 5
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -760,9 +761,15 @@ int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const
  * miss; one pass that saves and patches each entry, with the rows split across the calling thread's OpenMP team,
  * overlaps the misses of several cores (torch's gather and scatter_ run such small ops on one thread, in two passes).
  *
- * `applied` makes the pair safe to call from Python's try/finally: na_patch_entries sets it once the indices are
- * checked, right before it writes, and na_restore_entries writes the saved values back only when it is set (and then
- * clears it), so a restore after a patch that never ran, or failed its check, changes nothing. */
+ * `patch_state` makes the pair safe to call from Python's try/finally: na_patch_entries allocates the saved values and
+ * sets `applied` once the indices are checked, right before it writes; na_restore_entries writes them back and frees
+ * them only when it is set (and then clears it), so a restore after a patch that never ran, or failed its check,
+ * changes nothing. A patch while the state is applied (a nested visit) is refused before anything is written. */
+
+typedef struct {
+    int32_t applied;
+    float *saved; /* (n, k), owned while applied */
+} patch_state;
 
 static inline int64_t index_at(const void *src, int itype, int64_t e) {
     if (itype == 2) return ((const int16_t *)src)[e];
@@ -820,21 +827,27 @@ static void visit_all(entries *c, int64_t n, int workers) {
 }
 
 int na_patch_entries(float *w, int64_t ws0, int64_t ws1, const void *cols, int cdt, const void *rows, int rdt,
-                     const float *delta, float *saved, int32_t *applied, int64_t d_in, int64_t d_out, int64_t n,
-                     int64_t k, int workers) {
+                     const float *delta, patch_state *state, int64_t d_in, int64_t d_out, int64_t n, int64_t k,
+                     int workers) {
     int status = entries_in_range(cols, cdt, rows, rdt, d_in, d_out, n, k);
     if (status) return status;
+    if (state->applied) return NA_PATCHED;
+    float *saved = aligned_buffer(n * k);
+    if (!saved) return NA_NO_MEMORY;
     entries c = {w, ws0, ws1, k, cols, rows, cdt, rdt, delta, saved};
-    *applied = 1;
+    state->saved = saved;
+    state->applied = 1;
     visit_all(&c, n, workers);
     return NA_OK;
 }
 
 int na_restore_entries(float *w, int64_t ws0, int64_t ws1, const void *cols, int cdt, const void *rows, int rdt,
-                       const float *saved, int32_t *applied, int64_t n, int64_t k, int workers) {
-    if (!*applied) return NA_OK;
-    entries c = {w, ws0, ws1, k, cols, rows, cdt, rdt, NULL, (float *)saved};
+                       patch_state *state, int64_t n, int64_t k, int workers) {
+    if (!state->applied) return NA_OK;
+    entries c = {w, ws0, ws1, k, cols, rows, cdt, rdt, NULL, state->saved};
     visit_all(&c, n, workers);
-    *applied = 0;
+    free(state->saved);
+    state->saved = NULL;
+    state->applied = 0;
     return NA_OK;
 }
