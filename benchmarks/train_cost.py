@@ -17,7 +17,9 @@ variant it reports:
   they exist anyway) + gradient bytes + optimizer-state bytes;
 * inference forward time (no_grad, adapters unmerged);
 
-and every figure as a ratio to the floor measured in the same run.
+and every figure as a ratio to the floor measured in the same run. Timing processes run glibc's default allocator,
+which hands freed memory back to the OS so that every step faults its activations in again (~100k page faults per
+SmolLM2 step), or with `--allocator keep` one that reuses it (as jemalloc, tcmalloc or CUDA's caching allocator do).
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["cpu", "wall"],
         help="Time the ratios use: process CPU time (default on CPU: robust to other jobs) or wall (default on GPU).",
     )
+    parser.add_argument(
+        "--allocator",
+        choices=["default", "keep"],
+        default="default",
+        help="glibc in the timing processes: its default (hands freed memory back to the OS, so every step faults "
+        "pages in again) or keep (freed memory is reused, as with jemalloc/tcmalloc or CUDA's caching allocator).",
+    )
     parser.add_argument("--json", type=Path, help="Also write the results (and target checks) to this file.")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -96,13 +105,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
             dtype=args.dtype,
             threads=args.threads,
             quantize=args.quantize,
+            allocator=args.allocator,
         )
         for variant in args.variants
     ]
     results = run_all(specs, args.rounds)
     checks = check_targets(results, args.clock)
     print(
-        f"\nmodel={args.model} quantize={args.quantize} batch={args.batch}x{args.seq_len} dtype={args.dtype} "
+        f"\nmodel={args.model} quantize={args.quantize} allocator={args.allocator} batch={args.batch}x{args.seq_len} "
+        f"dtype={args.dtype} "
         f"device={args.device} "
         f"threads={args.threads or torch.get_num_threads()} rounds={args.rounds} warmup={args.warmup} "
         f"steps={args.steps} infer_steps={args.infer_steps} torch={torch.__version__} machine={platform.machine()} "

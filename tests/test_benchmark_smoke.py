@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -66,6 +67,7 @@ def test_targets_whose_metric_was_not_measured_are_left_out_not_failed(tmp_path:
     report = tmp_path / "no-inference.json"
     command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1"]
     command += ["--variants", "floor", "neuroada-k1", "--warmup", "0", "--steps", "1", "--infer-steps", "0"]
+    command += ["--allocator", "keep"]
     completed = subprocess.run(command + ["--json", str(report)], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     judged = [t["target"] for t in json.loads(report.read_text())["targets"]]
@@ -91,6 +93,32 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
         for op, candidate in expected_candidates:
             assert (op, candidate.format(k=k), k) in timed, (op, candidate, k)
     assert all(float(row[-1]) > 0 for row in rows)
+
+
+def test_a_calls_setup_is_entered_and_left_outside_its_timing(monkeypatch) -> None:
+    """The paired floor switches its adapters off in a setup (peft's `disable_adapter` takes milliseconds): only the
+    call itself counts."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        common = importlib.import_module("common")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(common.time, "process_time", lambda: clock[0])
+
+    @contextlib.contextmanager
+    def slow_setup():
+        clock[0] += 100.0
+        yield
+        clock[0] += 100.0
+
+    def call() -> None:
+        clock[0] += 1.0
+
+    samples = common.interleaved_samples({"floor": call, "step": call}, 3, setups={"floor": slow_setup})
+    assert samples["floor"] == ([1.0] * 3, [1.0] * 3)
+    assert samples["step"] == ([1.0] * 3, [1.0] * 3)
 
 
 def test_paired_floor_steps_leave_frozen_adapters_frozen() -> None:

@@ -22,6 +22,7 @@ from peft_neuroada.config import DTYPES
 from .meters import (
     MIB,
     SavedTensorMeter,
+    keep_freed_memory,
     peak_rss_bytes,
     reset_peak_rss,
     return_freed_memory_to_os,
@@ -63,6 +64,7 @@ class RunSpec:
     threads: int | None = None
     seed: int = 0
     quantize: str | None = None  # a key of variants.QUANTIZATIONS: every variant on the same quantized base
+    allocator: str = "default"  # "keep": glibc keeps freed memory in the timing process (`meters.keep_freed_memory`)
 
 
 @dataclass
@@ -257,7 +259,10 @@ def measure_memory(spec: RunSpec) -> Result:
 
 
 def measure_time(spec: RunSpec) -> Result:
-    """Training-step and no-grad forward times, after warmup, with the default allocator."""
+    """Training-step and no-grad forward times, after warmup, with glibc's default allocator or one that keeps freed
+    memory (`spec.allocator`)."""
+    if spec.allocator == "keep":
+        keep_freed_memory()
     session = Session(spec)
     for _ in range(spec.warmup):
         session.warm_up("step")

@@ -33,15 +33,27 @@ def reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
-def return_freed_memory_to_os() -> None:
-    """Make glibc mmap blocks >= 64 KiB and trim the heap on free, so RSS follows live tensors (not glibc caches)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _set_glibc_thresholds(mmap_threshold: int, trim_threshold: int) -> None:
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 0)
+    libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+    libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+
+
+def return_freed_memory_to_os() -> None:
+    """Make glibc mmap blocks >= 64 KiB and trim the heap on free, so RSS follows live tensors (not glibc caches)."""
+    _set_glibc_thresholds(64 * 1024, 0)
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed memory for reuse (no blocks of its own mapping, no trimming), as jemalloc, tcmalloc or
+    CUDA's caching allocator do: a step then re-uses the pages of the step before instead of faulting in new ones."""
+    _set_glibc_thresholds(2**30, 2**31 - 1)
 
 
 def _storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
