@@ -7,11 +7,13 @@ run on CPU tensors through Triton's interpreter (tests/triton_interpreter_worker
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -278,6 +280,20 @@ def test_a_kept_entry_patch_follows_deltas_given_new_memory():
     assert torch.equal(weight, (original.double() + 2 * case.dense_delta()).float())
     entries.restore()
     assert torch.equal(weight, original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_a_kept_entry_patch_keeps_no_tensor_alive_between_visits():
+    case = Case(1, 70, 40, 20)
+    weight, _ = patched_weight(case, transposed=False)
+    delta, cols = case.delta.clone(), case.cols.contiguous()
+    entries = kernels.entry_patch(weight, cols, None, delta)
+    entries.apply()
+    entries.restore()
+    alive = [weakref.ref(t) for t in (weight, cols, delta)]
+    del weight, cols, delta, case
+    gc.collect()
+    assert all(ref() is None for ref in alive)
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

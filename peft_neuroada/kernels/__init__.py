@@ -238,4 +238,4 @@ def entry_patch(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | N
             if len(_PREPARED) >= _PREPARED_MAX:
                 _PREPARED.clear()
             _PREPARED[facts] = patch
-    return patch.hold(weight)
+    return patch.hold(weight, cols, rows, delta)

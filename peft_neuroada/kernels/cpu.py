@@ -289,9 +289,11 @@ class EntryPatch:
     `apply` saves the overwritten entries and marks the patch applied right before writing; `restore` writes them
     back only when it is applied (and clears that), so calling it in a `finally`, also after an `apply` that never ran
     or failed its index check, restores exactly what was patched. The calls read the tensors' memory through raw
-    addresses: the weight's storage is held from `hold` until `restore` (should the weight be given another one
-    meanwhile), and contiguous copies made here are kept by the object. `reusable` tells whether the calls point
-    into the given tensors themselves (no copies), i.e. stay valid for any tensors with the same `patch_facts`."""
+    addresses: the storages of the tensors given to `hold` are held from there until `restore` (should one of them be
+    given another storage meanwhile), and contiguous copies made here are kept by the object. `reusable` tells whether
+    the calls point into the given tensors themselves (no copies), i.e. stay valid for any tensors with the same
+    `patch_facts`; such a patch keeps no reference to them between visits (a kept patch never keeps a model's
+    deltas or indices alive)."""
 
     def __init__(self, weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
         lib = _required()
@@ -301,9 +303,9 @@ class EntryPatch:
         self.reusable = (
             contiguous_cols is cols and contiguous_rows is rows and contiguous_delta.data_ptr() == delta.data_ptr()
         )
-        self._memory = (contiguous_cols, contiguous_rows, contiguous_delta)
+        self._copies = () if self.reusable else (contiguous_cols, contiguous_rows, contiguous_delta)
         self._state = _PatchState()
-        self._held: torch.UntypedStorage | None = None
+        self._held: tuple[torch.UntypedStorage, ...] = ()
         self.in_use = False
         at = [weight.data_ptr(), weight.stride(0), weight.stride(1), *place]
         state, workers = ctypes.addressof(self._state), torch.get_num_threads()
@@ -313,9 +315,10 @@ class EntryPatch:
         )  # fmt: skip
         self._restore = functools.partial(lib.na_restore_entries, *at, state, n, k, workers)
 
-    def hold(self, weight: torch.Tensor) -> EntryPatch:
-        """Keep `weight`'s storage alive until `restore` and mark the patch in use; returns the patch."""
-        self._held = weight.untyped_storage()
+    def hold(self, *tensors: torch.Tensor | None) -> EntryPatch:
+        """Keep the storages of `tensors` (the ones the calls read and write) alive until `restore` and mark the patch
+        in use; returns the patch."""
+        self._held = tuple(t.untyped_storage() for t in tensors if t is not None)
         self.in_use = True
         return self
 
@@ -324,5 +327,5 @@ class EntryPatch:
 
     def restore(self) -> None:
         self._restore()
-        self._held = None
+        self._held = ()
         self.in_use = False
