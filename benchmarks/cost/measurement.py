@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import multiprocessing
@@ -209,10 +208,7 @@ class Session:
 
     def warm_up(self, name: str) -> None:
         """One untimed call of each of `calls(name)`, in its mode."""
-        setups = self.setups(name)
-        for call, fn in self.calls(name).items():
-            with setups.get(call, contextlib.nullcontext)():
-                fn()
+        interleaved_samples(self.calls(name), 1, self.sync, setups=self.setups(name))
 
     def sync(self) -> None:
         if self.on_cuda:
