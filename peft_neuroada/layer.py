@@ -247,7 +247,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                             f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
                             "so its deltas are broken (check the training loss and learning rate)."
                         )
-                    self._merge_originals[name] = (placement, originals)
+                    self._merge_originals[name] = (_owned(placement), originals)
                     self.merged_adapters.append(name)
                     write_placed_(weight, placement, merged)
         except BaseException:
@@ -340,6 +340,12 @@ class NeuroAdaLayer(BaseTunerLayer):
                     if name not in self.merged_adapters:
                         self.merged_adapters.append(name)
             raise
+
+
+def _owned(placement: Placement) -> Placement:
+    """A copy that owns its indices: the entries an unmerge writes back are the ones the merge changed, even if the
+    adapter's index buffer (which `placement` views) is written meanwhile."""
+    return Placement(placement.cols.clone(), None if placement.rows is None else placement.rows.clone())
 
 
 def _same_placement(first: Placement, second: Placement) -> bool:

@@ -65,6 +65,10 @@ class NeuroAdaModel(BaseTuner):
     tuner_layer_cls = NeuroAdaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_refuse_changing_merged_adapters)
+
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         if peft_config.target_modules is None:
             defaults = self.target_module_mapping.get(model_config.get("model_type"), LLAMA_STYLE_TARGETS)
@@ -518,6 +522,34 @@ def _check_adapter_fits_layer(
         if attribute in index_bounds:
             checked = _checked_indices(name, attribute, saved, index_bounds[attribute])
             state_dict[key] = to_buffer(checked, layer.in_features) if attribute == "neuroada_indices" else checked
+
+
+def _refuse_changing_merged_adapters(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_) -> None:
+    """Refuse, before anything loads, a state dict that would change a merged adapter's deltas or indices: the merged
+    weights would go on serving the old values. `load_state_dict` and `set_peft_model_state_dict` both run this
+    first (it is a load pre-hook of the tuner model, which holds every adapter layer)."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, NeuroAdaLayer):
+            continue
+        for adapter in layer.merged_adapters:
+            for attribute in ("neuroada_delta", *_INDEX_BUFFERS):
+                key, container = f"{prefix}{name}.{attribute}.{adapter}", getattr(layer, attribute)
+                if (
+                    key in state_dict
+                    and adapter in container
+                    and not _same_values(state_dict[key], container[adapter])
+                ):
+                    raise ValueError(
+                        f"Cannot load new values into adapter '{adapter}' (layer '{prefix}{name}'): it is merged "
+                        "into the base weights, which would keep serving its old values. Unmerge it first "
+                        "(`model.unmerge_adapter()`), load, then merge again if you want it merged."
+                    )
+
+
+def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
+    if loaded.shape != current.shape or loaded.is_meta:
+        return False
+    return torch.equal(loaded.to(device=current.device, dtype=current.dtype), current.detach())
 
 
 def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int) -> torch.Tensor:

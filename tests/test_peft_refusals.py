@@ -68,6 +68,50 @@ def test_swapping_in_an_adapter_that_does_not_fit_is_refused_naming_the_layer(tw
     assert torch.equal(logits(model, TOKENS), before)
 
 
+def test_new_values_for_a_merged_adapter_are_refused_before_anything_loads(two_saved_adapters):
+    """Loaded while merged, they would leave the merged weights serving the old adapter (and, with new indices, an
+    unmerge that used them would restore the wrong entries): both ways of loading refuse, and nothing changes."""
+    first, second = two_saved_adapters
+    other = PeftModel.from_pretrained(tiny_llama(), second).state_dict()
+    model = PeftModel.from_pretrained(tiny_llama(), first)
+    model.merge_adapter()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    loads = [
+        lambda: set_peft_model_state_dict(model, load_peft_weights(str(second)), adapter_name="default"),
+        lambda: model.load_state_dict(other),
+    ]
+    for load in loads:
+        with pytest.raises(ValueError, match=r"Cannot load new values into adapter 'default' .* it is merged"):
+            load()
+        assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    model.unmerge_adapter()
+    with model.disable_adapter():
+        assert torch.equal(logits(model, TOKENS), logits(tiny_llama(), TOKENS))
+
+
+def test_a_merged_adapter_may_be_loaded_again_with_its_own_values(two_saved_adapters):
+    model = PeftModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
+    model.merge_adapter()
+    merged = logits(model, TOKENS)
+    set_peft_model_state_dict(model, load_peft_weights(str(two_saved_adapters[0])), adapter_name="default")
+    model.load_state_dict(model.state_dict())
+    assert torch.equal(logits(model, TOKENS), merged)
+
+
+def test_unmerge_restores_the_entries_the_merge_changed_even_after_the_indices_are_overwritten(two_saved_adapters):
+    first, second = two_saved_adapters
+    other = [
+        layer.neuroada_indices["default"] for layer in neuroada_layers(PeftModel.from_pretrained(tiny_llama(), second))
+    ]
+    model = PeftModel.from_pretrained(tiny_llama(), first)
+    model.merge_adapter()
+    for layer, indices in zip(neuroada_layers(model), other, strict=True):
+        layer.neuroada_indices["default"].copy_(indices)
+    model.unmerge_adapter()
+    with model.disable_adapter():
+        assert torch.equal(logits(model, TOKENS), logits(tiny_llama(), TOKENS))
+
+
 def test_peft_mixed_model_refuses_neuroada_adapters(two_saved_adapters):
     with pytest.raises(ValueError, match=MIXED_REFUSAL):
         get_peft_model(tiny_llama(), NeuroAdaConfig(k=2), mixed=True)
