@@ -423,9 +423,15 @@ def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
 
 
 def _listed(reasons: dict[str, str]) -> str:
-    """The first few layers and why, for an error message."""
-    listed = "; ".join(f"'{name}': {reason}" for name, reason in list(reasons.items())[:3])
-    return listed + (f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else "")
+    """The layers and why, for an error message: each reason once, after the first few layers it applies to."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(name)
+    parts = []
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        parts.append(", ".join(f"'{name}'" for name in names[:3]) + f"{more}: {reason}")
+    return "; ".join(parts)
 
 
 def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):

@@ -305,8 +305,9 @@ def test_4bit_weights_packed_for_cpu_inference_before_the_adapter_is_added_are_r
     model = load(tiny_dir, "bnb-nf4")
     if not _packed_by_bitsandbytes_for_cpu_inference(model, token_batch):
         pytest.skip("bitsandbytes packs 4-bit weights for inference only on CPUs with AVX512-BF16")
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj'.*packed its 4-bit weight"):
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj'.*packed its 4-bit weight") as refusal:
         get_peft_model(model, NeuroAdaConfig(k=1))
+    assert str(refusal.value).count("packed its 4-bit weight") == 1, "the reason is stated once for all its layers"
     assert isinstance(model.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
 
 
