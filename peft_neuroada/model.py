@@ -152,6 +152,7 @@ class NeuroAdaModel(BaseTuner):
                 f"using fan_in_fan_out={fan_in_fan_out} for them.",
                 stacklevel=2,
             )
+            config.fan_in_fan_out = fan_in_fan_out  # as LoRA does: the saved config then loads without the warning
         return Linear(target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key)
 
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:

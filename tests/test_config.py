@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 
 import pytest
 import torch
-from peft import PeftConfig, PeftType, get_peft_model
+from peft import PeftConfig, PeftModel, PeftType, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from torch import nn
 from transformers import (
@@ -117,6 +118,15 @@ def test_gpt2_conv1d_layers_use_fan_in_fan_out_automatically():
         model = get_peft_model(tiny_gpt2(), NeuroAdaConfig())
     c_attn = model.base_model.model.transformer.h[0].attn.c_attn
     assert c_attn.fan_in_fan_out and c_attn.neuroada_delta["default"].shape == (96, 1)
+
+
+def test_the_corrected_fan_in_fan_out_is_saved_so_reloading_does_not_warn_again(tmp_path):
+    with pytest.warns(UserWarning, match="fan_in_fan_out=False does not match Conv1D layers"):
+        get_peft_model(tiny_gpt2(), NeuroAdaConfig()).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fan_in_fan_out")
+        PeftModel.from_pretrained(tiny_gpt2(), tmp_path)
 
 
 def test_all_linear_adapts_every_linear_layer_except_the_output_head():
