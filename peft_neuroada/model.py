@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -262,16 +263,21 @@ class NeuroAdaModel(BaseTuner):
         combination is exact."""
         if combination_type != "linear":
             raise ValueError(
-                f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): their "
-                "deltas add exactly where they share their indices, and no low-rank form exists to take an SVD of."
+                f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): deltas "
+                "that share their indices add exactly into a NeuroAda adapter, while the other types (svd, cat, ties, "
+                "dare_*, magnitude_prune*) work on LoRA's low-rank factors, which NeuroAda deltas do not have."
             )
         if adapter_name in self.peft_config:
             raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
-        if not adapters or len(weights) != len(adapters):
+        if not adapters:
+            raise ValueError("add_weighted_adapter needs at least one adapter to combine (got none).")
+        if len(weights) != len(adapters):
             raise ValueError(
                 f"add_weighted_adapter needs one weight per adapter (got {len(adapters)} adapters and "
                 f"{len(weights)} weights)."
             )
+        if not all(math.isfinite(weight) for weight in weights):
+            raise ValueError(f"add_weighted_adapter needs finite weights (got {weights}).")
         for name in adapters:
             if name not in self.peft_config:
                 raise ValueError(f"Adapter {name} does not exist")

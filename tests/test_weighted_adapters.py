@@ -173,6 +173,18 @@ def too_few_weights() -> tuple:
     return two_adapters(), ["one", "two"], [1.0], "mix", {}
 
 
+def no_adapters() -> tuple:
+    return two_adapters(), [], [], "mix", {}
+
+
+def nan_weight() -> tuple:
+    return two_adapters(), ["one", "two"], [float("nan"), 1.0], "mix", {}
+
+
+def cat_combination() -> tuple:
+    return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"combination_type": "cat"}
+
+
 def existing_name() -> tuple:
     return two_adapters(), ["one", "two"], [1.0, 1.0], "two", {}
 
@@ -200,8 +212,11 @@ REFUSALS = {
     "different-k": (different_k, r"different k or neuron_fraction \('one': k=2, neuron_fraction=1\.0, 'two': k=3"),
     "unknown-adapter": (unknown_adapter, "Adapter nope does not exist"),
     "too-few-weights": (too_few_weights, r"one weight per adapter \(got 2 adapters and 1 weights\)"),
+    "no-adapters": (no_adapters, r"needs at least one adapter to combine \(got none\)"),
+    "nan-weight": (nan_weight, r"needs finite weights \(got \[nan, 1\.0\]\)"),
     "existing-name": (existing_name, "Adapter with name 'two' already exists"),
     "svd": (svd_combination, "combination_type='linear' only"),
+    "cat": (cat_combination, r"combination_type='linear' only \(got 'cat'\).*cat, ties"),
     "source-trains-biases": (source_trains_biases, "Cannot weight adapter 'one': it trains biases"),
     "same-module-saved-twice": (
         both_save_the_same_module,
