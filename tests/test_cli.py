@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -77,10 +78,11 @@ def test_help_lists_the_subcommands(capsys):
     assert all(command in out for command in ("train", "eval", "compare", "demo", "prompts", "score"))
 
 
-def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama_dir, tmp_path):
+def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama_dir, tmp_path, capsys):
     output = tmp_path / "run"
     recipe = write_recipe(tmp_path / "neuroada.yaml", tiny_llama_dir, output, "{name: neuroada, k: 2}")
     assert main(["train", str(recipe)]) == 0
+    assert re.search(r"\| neuroada k=2 \| [\d,]+ \| 3 \| \d+ s \|", capsys.readouterr().out), "the run's cost is shown"
 
     adapter_config = json.loads((output / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "NEUROADA" and adapter_config["k"] == 2
@@ -98,6 +100,28 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
     assert main(["eval", str(recipe), "--base", "--output", str(tmp_path / "base")]) == 0
     assert json.loads((tmp_path / "base" / "results.json").read_text())["method"] == "base model"
     assert (tmp_path / "base" / "results.csv").read_text().splitlines()[-1].startswith("average,")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["train", "no-such-recipe.yaml"], r"neuroada train: error: .*no-such-recipe\.yaml"),
+        (
+            ["train", "{recipe}", "--set", "training.nope=1"],
+            r"neuroada train: error: Unknown recipe key\(s\) \['nope'\]",
+        ),
+        (["train", "{recipe}", "--set", "data.dir={empty}"], r"No train data for .*--set data\.dir=PATH"),
+        (["eval", "{recipe}", "--set", "dtype=float8"], r"neuroada eval: error: dtype must be one of"),
+    ],
+    ids=["missing recipe", "unknown key", "missing data", "bad value"],
+)
+def test_what_the_user_named_wrong_ends_in_one_message_not_a_traceback(tiny_llama_dir, tmp_path, arguments, message):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama_dir, tmp_path / "out", "{name: neuroada, k: 1}")
+    (tmp_path / "empty").mkdir()
+    arguments = [argument.format(recipe=recipe, empty=tmp_path / "empty") for argument in arguments]
+    with pytest.raises(SystemExit, match=message) as exit_info:
+        main(arguments)
+    assert exit_info.value.__cause__ is None and exit_info.value.__suppress_context__
 
 
 def test_compare_tabulates_neuroada_against_lora(tiny_llama_dir, tmp_path, capsys):

@@ -26,6 +26,10 @@ from .glue import GlueTask, glue_task
 from .protocols import PROTOCOLS
 
 
+class RecipeError(ValueError):
+    """A recipe or an override names something wrong: the command prints the message alone, without a traceback."""
+
+
 @dataclass
 class MethodSpec:
     """The adapter: `neuroada` (k deltas per neuron, stored in `delta_dtype`; null follows peft, which keeps them in
@@ -51,7 +55,7 @@ class MethodSpec:
             )
         if self.name == "lora":
             if self.delta_dtype is not None:
-                raise ValueError("method.delta_dtype is NeuroAda's; LoRA keeps peft's adapter dtype.")
+                raise RecipeError("method.delta_dtype is NeuroAda's; LoRA keeps peft's adapter dtype.")
             return LoraConfig(
                 r=self.r,
                 lora_alpha=self.alpha,
@@ -60,7 +64,7 @@ class MethodSpec:
                 task_type=task_type,
                 modules_to_save=modules_to_save,
             )
-        raise ValueError(f"method.name must be 'neuroada' or 'lora' (got {self.name!r}).")
+        raise RecipeError(f"method.name must be 'neuroada' or 'lora' (got {self.name!r}).")
 
     @property
     def label(self) -> str:
@@ -145,17 +149,17 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (got {self.dtype!r}).")
+            raise RecipeError(f"dtype must be one of {sorted(DTYPES)} (got {self.dtype!r}).")
         if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
+            raise RecipeError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
         if self.task not in ("generation", "glue"):
-            raise ValueError(f"task must be 'generation' or 'glue' (got {self.task!r}).")
+            raise RecipeError(f"task must be 'generation' or 'glue' (got {self.task!r}).")
         if self.task == "glue":
             if len(self.data.train) != 1:
-                raise ValueError(f"A GLUE recipe trains on one GLUE task; data.train is {self.data.train}.")
+                raise RecipeError(f"A GLUE recipe trains on one GLUE task; data.train is {self.data.train}.")
             glue_task(self.data.train[0])
             if self.evaluation.tasks:
-                raise ValueError(
+                raise RecipeError(
                     "A GLUE recipe is scored on its task's held-out validation examples; "
                     f"evaluation.tasks must be empty (got {self.evaluation.tasks})."
                 )
@@ -188,12 +192,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if not isinstance(values, dict):
-        raise ValueError(f"Recipe section '{where}' must be a mapping (got {values!r}).")
+        raise RecipeError(f"Recipe section '{where}' must be a mapping (got {values!r}).")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - known
     if unknown:
-        raise ValueError(
+        raise RecipeError(
             f"Unknown recipe key(s) {sorted(unknown)} in '{where or 'top level'}'; known: {sorted(known)}"
         )
     prefix = f"{where}." if where else ""
@@ -204,7 +208,7 @@ def _apply_override(values: dict[str, Any], assignment: str) -> None:
     """`section.key=value`, the value read as YAML (so numbers, lists and null work)."""
     path, separator, raw = assignment.partition("=")
     if not separator:
-        raise ValueError(f"Override {assignment!r} must look like section.key=value.")
+        raise RecipeError(f"Override {assignment!r} must look like section.key=value.")
     *sections, key = path.strip().split(".")
     target = values
     for section in sections:

@@ -65,10 +65,8 @@ def evaluate_recipe_model(
         "merged": recipe.merge_before_evaluation,
     }
     path = write_results(results, output_dir, metadata)
-    scores = {result.task: result.accuracy for result in results}
-    print(format_table([RunSummary(label, scores, recipe.protocol)]))
     print(f"results written to {path}")
-    return scores
+    return {result.task: result.accuracy for result in results}
 
 
 def evaluate_glue_model(
@@ -104,10 +102,8 @@ def evaluate_glue_model(
         )
     ]
     path = write_glue_results(task, value, records, output_dir, metadata)
-    scores = {task.name: value}
-    print(format_table([RunSummary(label, scores, recipe.protocol)]))
     print(f"results written to {path}")
-    return scores
+    return {task.name: value}
 
 
 def train_and_evaluate(recipe: Recipe, evaluate: bool = True) -> RunSummary:
@@ -127,7 +123,9 @@ def train_and_evaluate(recipe: Recipe, evaluate: bool = True) -> RunSummary:
         print(f"adapter saved to {outcome.adapter_dir}")
         if evaluate:
             scores = evaluate_recipe_model(recipe, outcome.model, outcome.tokenizer, output, label)
-    return RunSummary(label, scores, recipe.protocol, outcome.trainable_parameters, outcome.steps, outcome.seconds)
+    summary = RunSummary(label, scores, recipe.protocol, outcome.trainable_parameters, outcome.steps, outcome.seconds)
+    print(format_table([summary]))
+    return summary
 
 
 def evaluate_saved(recipe: Recipe, adapter_dir: str | Path | None, output_dir: str | Path | None = None) -> RunSummary:
@@ -148,7 +146,9 @@ def evaluate_saved(recipe: Recipe, adapter_dir: str | Path | None, output_dir: s
         scores = evaluate_glue_model(recipe, model, tokenizer, data, output, label)
     else:
         scores = evaluate_recipe_model(recipe, model, tokenizer, output, label)
-    return RunSummary(label, scores, protocol)
+    summary = RunSummary(label, scores, protocol)
+    print(format_table([summary]))
+    return summary
 
 
 def compare(recipes: list[Recipe], output_dir: str | Path, include_base: bool = True) -> list[RunSummary]:
