@@ -129,6 +129,14 @@ def test_the_corrected_fan_in_fan_out_is_saved_so_reloading_does_not_warn_again(
         PeftModel.from_pretrained(tiny_gpt2(), tmp_path)
 
 
+def test_bert_defaults_adapt_the_pooler_too_unless_it_is_excluded():
+    """`dense` names BERT's pooler as well (README, `target_modules`)."""
+    adapted = named_neuroada_layers(get_peft_model(tiny_bert(), NeuroAdaConfig()))
+    assert "base_model.model.pooler.dense" in adapted
+    excluded = named_neuroada_layers(get_peft_model(tiny_bert(), NeuroAdaConfig(exclude_modules=["pooler.dense"])))
+    assert set(adapted) - set(excluded) == {"base_model.model.pooler.dense"}
+
+
 def test_all_linear_adapts_every_linear_layer_except_the_output_head():
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(target_modules="all-linear"))
     assert adapted_names(model) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
