@@ -150,7 +150,7 @@ def offloaded_llama(tmp_path):
 def test_an_offloaded_model_is_refused_before_any_layer_changes(offloaded_llama):
     model, _ = offloaded_llama
     modules = dict(model.named_modules())
-    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_proj': it is offloaded by accelerate.*"):
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_proj', .*: it is offloaded by accelerate"):
         get_peft_model(model, NeuroAdaConfig(k=1))
     assert dict(model.named_modules()) == modules
 
@@ -165,5 +165,5 @@ def test_loading_an_adapter_onto_an_offloaded_model_is_refused_clearly(offloaded
 def test_a_model_on_the_meta_device_is_refused_naming_its_layers():
     with torch.device("meta"):
         model = tiny_llama()
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj': it is on the meta device"):
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj', .*: it is on the meta device"):
         get_peft_model(model, NeuroAdaConfig(k=1))
