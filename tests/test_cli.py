@@ -112,8 +112,12 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
         ),
         (["train", "{recipe}", "--set", "data.dir={empty}"], r"No train data for .*--set data\.dir=PATH"),
         (["eval", "{recipe}", "--set", "dtype=float8"], r"neuroada eval: error: dtype must be one of"),
+        (
+            ["train", "{recipe}", "--set", "task=glue", "--set", "data.train=[nope]", "--set", "evaluation.tasks=[]"],
+            r"neuroada train: error: Unknown GLUE task 'nope'",
+        ),
     ],
-    ids=["missing recipe", "unknown key", "missing data", "bad value"],
+    ids=["missing recipe", "unknown key", "missing data", "bad value", "unknown GLUE task"],
 )
 def test_what_the_user_named_wrong_ends_in_one_message_not_a_traceback(tiny_llama_dir, tmp_path, arguments, message):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama_dir, tmp_path / "out", "{name: neuroada, k: 1}")

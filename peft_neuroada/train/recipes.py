@@ -157,7 +157,10 @@ class Recipe:
         if self.task == "glue":
             if len(self.data.train) != 1:
                 raise RecipeError(f"A GLUE recipe trains on one GLUE task; data.train is {self.data.train}.")
-            glue_task(self.data.train[0])
+            try:
+                glue_task(self.data.train[0])
+            except ValueError as error:  # glue.py stands apart from recipes; its refusal is the recipe's
+                raise RecipeError(str(error)) from None
             if self.evaluation.tasks:
                 raise RecipeError(
                     "A GLUE recipe is scored on its task's held-out validation examples; "
