@@ -577,4 +577,18 @@ def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int)
             f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
             "Load the adapter on the base model it was trained on."
         )
+    if _repeats(saved):
+        where = "a column twice within a neuron's row" if attribute == "neuroada_indices" else "a neuron twice"
+        raise ValueError(
+            f"The NeuroAda adapter's {attribute} for layer '{name}' name {where}; selection never does, so the file "
+            "is damaged or was edited. Save the adapter again from the model it was trained in."
+        )
     return saved.to(INDEX_DTYPE)
+
+
+def _repeats(indices: torch.Tensor) -> bool:
+    """Whether a row of (n, k) columns, or (n,) rows, holds one index twice."""
+    if indices.is_meta or indices.shape[-1] < 2:
+        return False
+    ordered = indices.sort(dim=-1).values
+    return bool((ordered[..., 1:] == ordered[..., :-1]).any())

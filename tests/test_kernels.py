@@ -248,6 +248,19 @@ def test_patching_entries_adds_the_deltas_and_restoring_gives_back_the_exact_wei
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_a_column_repeated_within_a_row_gets_both_deltas_and_restoring_still_gives_back_the_exact_weight():
+    weight = torch.randn(6, 10)
+    original = weight.clone()
+    cols = torch.tensor([[3, 3, 7]] * 6)
+    delta = torch.randn(6, 3)
+    entries = kernels.entry_patch(weight, cols, None, delta)
+    entries.apply()
+    assert torch.equal(weight[:, 3], (original[:, 3] + delta[:, 0]) + delta[:, 1])
+    entries.restore()
+    assert torch.equal(weight, original)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_entry_patches_are_prepared_once_per_set_of_tensors_and_never_handed_out_twice_while_in_use():
     case = Case(1, 70, 40, 20)
     weight, expected = patched_weight(case, transposed=False)

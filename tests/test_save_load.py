@@ -126,6 +126,30 @@ def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("config", "attribute", "repeat", "message"),
+    [
+        (NeuroAdaConfig(k=2), "neuroada_indices", lambda t: t[:, 1].copy_(t[:, 0]), "a column twice within a neuron"),
+        (NeuroAdaConfig(k=1, neuron_fraction=0.5), "neuroada_rows", lambda t: t[1].copy_(t[0]), "a neuron twice"),
+    ],
+    ids=["column", "neuron"],
+)
+def test_loading_an_index_repeated_where_selection_never_repeats_one_is_refused(
+    tmp_path, token_batch, config, attribute, repeat, message
+):
+    """A repeated column would make a merge differ from the unmerged adapter; a repeated neuron, two threads of the
+    in-place path write the same entries."""
+    get_peft_model(tiny_llama(), config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    repeat(tensors[f"base_model.model.model.layers.0.self_attn.q_proj.{attribute}"])
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    base = tiny_llama()
+    before = hidden(base, token_batch)
+    with pytest.raises(ValueError, match=rf"{attribute} for layer '.*layers\.0\.self_attn\.q_proj' name {message}"):
+        PeftModel.from_pretrained(base, tmp_path)
+    assert torch.equal(hidden(base, token_batch), before)
+
+
 def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1, init_weights=False))
     api = mock.MagicMock()

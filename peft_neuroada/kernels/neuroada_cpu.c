@@ -785,19 +785,22 @@ typedef struct {
     float *saved;
 } entries;
 
+/* A row's entries are patched first to last and restored last to first: a column repeated within a row gets both
+ * deltas, and its first saved value (the original) is the one written back last. */
 static void visit_entries(void *arg, int64_t begin, int64_t end, int worker) {
     (void)worker;
     entries *c = arg;
     for (int64_t i = begin; i < end; i++) {
         float *row = c->w + (c->rows ? index_at(c->rows, c->rdt, i) : i) * c->s0;
-        for (int64_t e = i * c->k; e < (i + 1) * c->k; e++) {
-            float *entry = row + index_at(c->cols, c->cdt, e) * c->s1;
-            if (c->delta) {
+        if (c->delta) {
+            for (int64_t e = i * c->k; e < (i + 1) * c->k; e++) {
+                float *entry = row + index_at(c->cols, c->cdt, e) * c->s1;
                 c->saved[e] = *entry;
                 *entry = c->saved[e] + c->delta[e];
-            } else {
-                *entry = c->saved[e];
             }
+        } else {
+            for (int64_t e = (i + 1) * c->k - 1; e >= i * c->k; e--)
+                row[index_at(c->cols, c->cdt, e) * c->s1] = c->saved[e];
         }
     }
 }
