@@ -38,14 +38,20 @@ def _accumulate_gradients(
     loss_of: Callable[[nn.Module, Batch], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     accumulated = {name: torch.zeros(layer.out_features, layer.in_features) for name, layer in group}
+    reached: set[str] = set()
 
     def watch(name: str) -> Callable:
         def on_forward(layer: NeuroAdaLayer, inputs: tuple, output: torch.Tensor) -> None:
+            # Reentrant checkpointing runs each segment first without gradients, then again in backward with them:
+            # only the second run's output has a gradient to watch.
+            if not output.requires_grad:
+                return
             x2d = inputs[0].detach().reshape(-1, layer.in_features)
 
             def on_grad(grad_out: torch.Tensor) -> None:
                 grad2d = grad_out.reshape(-1, layer.out_features)
                 accumulated[name].addmm_(grad2d.T.float().cpu(), x2d.float().cpu())
+                reached.add(name)
 
             output.register_hook(on_grad)
 
@@ -60,6 +66,11 @@ def _accumulate_gradients(
         for hook in hooks:
             hook.remove()
         model.zero_grad(set_to_none=True)
+    if missed := [name for name, _ in group if name not in reached]:
+        raise ValueError(
+            f"No gradient reached the NeuroAda layer '{missed[0]}' (and {len(missed) - 1} more) during gradient "
+            "selection: the loss must depend on the layers' outputs through their trainable deltas."
+        )
     return accumulated
 
 
@@ -74,7 +85,8 @@ def select_by_gradient(
 
     Call after `get_peft_model(..., NeuroAdaConfig(selection="gradient"))` and before training. `batches` are model
     inputs with labels (e.g. a few tokenized training batches); `loss_of(model, batch)` defaults to
-    `model(**batch).loss`. The adapter must be active and trainable, since gradients flow through its deltas.
+    `model(**batch).loss`. The adapter must be active, trainable and unmerged, since gradients flow through its
+    deltas; the gradients the calibration passes leave on the model's parameters are cleared (set to None).
     """
     loss_of = loss_of or (lambda m, batch: m(**batch).loss)
     batches = list(batches)
@@ -85,6 +97,8 @@ def select_by_gradient(
     ]
     if not layers:
         raise ValueError(f"The model has no NeuroAda layers for adapter '{adapter_name}'.")
+    for _, layer in layers:
+        layer.check_reselectable(adapter_name)
     for group in _layer_groups(layers, max_accumulated_elements):
         gradients = _accumulate_gradients(model, group, batches, loss_of)
         for name, layer in group:

@@ -175,10 +175,24 @@ class NeuroAdaLayer(BaseTunerLayer):
             made = kept[adapter_name] = (buffer, rows, shape, Placement(from_buffer(buffer, shape), rows))
         return made[3]
 
-    def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
-        """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""
+    def _check_unmerged(self, adapter_name: str) -> None:
         if adapter_name in self.merged_adapters:
             raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+
+    def check_reselectable(self, adapter_name: str) -> None:
+        """Raise if the adapter's inputs cannot be selected again here: it is merged, or its deltas do not train (so
+        no gradient would reach them)."""
+        self._check_unmerged(adapter_name)
+        if not self.neuroada_delta[adapter_name].requires_grad:
+            raise ValueError(
+                f"Adapter '{adapter_name}' does not train (loaded for inference, or not the active adapter); "
+                "selecting its inputs by gradient needs gradients through its deltas: load it with "
+                "`PeftModel.from_pretrained(..., is_trainable=True)` or make it the active adapter."
+            )
+
+    def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
+        """Move an adapter to new input columns (same tuned neurons) and restart its deltas from initialisation."""
+        self._check_unmerged(adapter_name)
         delta = self.neuroada_delta[adapter_name]
         self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
         with torch.no_grad():

@@ -87,6 +87,51 @@ def test_gradient_selection_picks_the_largest_accumulated_gradients(budget):
         assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
 
 
+@pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
+def test_gradient_selection_under_reentrant_checkpointing_picks_what_it_picks_without():
+    """Reentrant checkpointing first runs each block without gradients: only its recomputation is watched."""
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (2, 2, 10))]
+    plain = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    select_by_gradient(plain, batches)
+    checkpointed = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    checkpointed.train()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpointed.enable_input_require_grads()
+    select_by_gradient(checkpointed, batches)
+    expected = indices_by_layer(plain)
+    assert all(torch.equal(indices, expected[name]) for name, indices in indices_by_layer(checkpointed).items())
+
+
+@pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
+@pytest.mark.parametrize(
+    ("prepare", "message"),
+    [
+        (lambda model: model.merge_adapter(), "is merged; unmerge it"),
+        (lambda model: model.requires_grad_(False), r"does not train .* is_trainable=True"),
+    ],
+    ids=["merged", "not trainable"],
+)
+def test_gradient_selection_refuses_an_adapter_it_cannot_select_for_before_anything_changes(prepare, message):
+    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (1, 2, 10))]
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    prepare(model)
+    before = indices_by_layer(model)
+    with pytest.raises(ValueError, match=message):
+        select_by_gradient(model, batches)
+    assert all(torch.equal(indices, before[name]) for name, indices in indices_by_layer(model).items())
+
+
+@pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
+def test_gradient_selection_refuses_to_select_from_layers_no_gradient_reached():
+    def first_block_only(model, batch):
+        return model(**batch, output_hidden_states=True).hidden_states[1].sum()
+
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="gradient"))
+    batch = {"input_ids": torch.randint(0, 128, (2, 10))}
+    with pytest.raises(ValueError, match=r"No gradient reached the NeuroAda layer '.*layers\.1\..*'"):
+        select_by_gradient(model, [batch], loss_of=first_block_only)
+
+
 def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(smollm2, smollm2_tokenizer):
     batch = smollm2_tokenizer(["Question: what is two plus two? Answer: four."], return_tensors="pt")
     with pytest.warns(UserWarning, match="call peft_neuroada.select_by_gradient"):
