@@ -311,8 +311,8 @@ class NeuroAdaLayer(BaseTunerLayer):
                 f"Cannot merge NeuroAda deltas into the weight of '{name}': it is shared with "
                 f"{', '.join(self.weight_shared_with)}, and merging would change those modules too. Give the layer "
                 "its own copy of the weight first, e.g. "
-                "`layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone())`, or keep "
-                "the adapter unmerged."
+                "`layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone(), "
+                "requires_grad=False)` (a frozen copy), or keep the adapter unmerged."
             )
 
     def unmerge(self) -> None:
