@@ -104,6 +104,18 @@ class NeuroAdaLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         return weight.T if self.fan_in_fan_out else weight
 
+    def base_weight(self) -> torch.Tensor:
+        """The (d_out, d_in) weight without the merged adapters: selection reads the base weights, merged or not (a
+        copy with the merged entries put back while some are merged)."""
+        weight = self.weight_out_in()
+        if not self._merge_originals:
+            return weight
+        weight = weight.detach().clone()
+        for name in reversed(self.merged_adapters):
+            placement, originals = self._merge_originals[name]
+            write_placed_(weight, placement, originals)
+        return weight
+
     def quantized(self) -> QuantizedLinear | None:
         """The base layer seen as its dequantized weight if it is quantized (None for a plain float weight)."""
         return quantized_linear(self.get_base_layer(), self.requantize_with)
@@ -135,7 +147,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
         # Quantized weights are read dequantized, a block of rows at a time.
         with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
-            weight = self.weight_out_in() if quantized is None else quantized
+            weight = self.base_weight() if quantized is None else quantized
             tuned_weight = weight if rows is None else weight[rows.long()]
             cols = select_inputs(tuned_weight, k, strategy, generator)
             self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)

@@ -70,6 +70,13 @@ class NeuroAdaModel(BaseTuner):
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(_refuse_changing_merged_adapters)
 
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """peft runs `_pre_injection_hook` before the first adapter only: an adapter added later (`add_adapter`,
+        `load_adapter`) is checked the same way here, before any layer changes."""
+        if any(isinstance(module, NeuroAdaLayer) for module in model.modules()):
+            self._pre_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         if peft_config.target_modules is None:
             defaults = self.target_module_mapping.get(model_config.get("model_type"), LLAMA_STYLE_TARGETS)
@@ -77,7 +84,8 @@ class NeuroAdaModel(BaseTuner):
         return peft_config
 
     def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
-        """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models."""
+        """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models, and
+        layers whose quantized weights hold merged adapters."""
         if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
             raise ValueError(
                 "NeuroAda must be added before the model is sharded: call get_peft_model on the plain model, then "
@@ -85,6 +93,12 @@ class NeuroAdaModel(BaseTuner):
             )
         unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted_modules(model, config):
+            if isinstance(module, NeuroAdaLayer) and module._quantized_originals:
+                raise ValueError(
+                    f"Cannot add a NeuroAda adapter to '{name}' while adapters are merged into its quantized weight: "
+                    "its inputs are selected on the base weights, which the merge requantized. Unmerge first "
+                    "(`model.unmerge_adapter()`)."
+                )
             base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
             if reason := unsupported_quantization(base):
                 unsupported[name] = reason

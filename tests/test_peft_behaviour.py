@@ -95,6 +95,20 @@ def test_training_steps_on_smollm2_lower_the_loss_and_change_only_deltas(smollm2
 
 
 @TINY_AND_REAL
+def test_an_adapter_added_while_another_is_merged_selects_its_inputs_on_the_base_weights(make_model):
+    unmerged = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")
+    unmerged.add_adapter("two", NeuroAdaConfig(k=2))
+    merged = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")
+    merged.merge_adapter()
+    merged.add_adapter("two", NeuroAdaConfig(k=2))
+    expected = [layer.placement("two").cols for layer in neuroada_layers(unmerged)]
+    assert all(
+        torch.equal(layer.placement("two").cols, cols)
+        for layer, cols in zip(neuroada_layers(merged), expected, strict=True)
+    )
+
+
+@TINY_AND_REAL
 def test_multiple_adapters_add_set_combine_and_delete(make_model, token_batch):
     base_outputs = hidden(make_model(), token_batch)
     model = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")

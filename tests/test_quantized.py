@@ -250,6 +250,20 @@ def test_several_adapters_merge_in_turn_and_unmerge_to_the_original_storage(tiny
     assert torch.equal(logits(peft_model, token_batch), both)
 
 
+def test_adding_an_adapter_while_one_is_merged_into_quantized_weights_is_refused_before_anything_changes(
+    tiny_dir, token_batch
+) -> None:
+    peft_model = trained(load(tiny_dir, "bnb-nf4"), token_batch)
+    with pytest.warns(UserWarning, match="rounding errors"):
+        peft_model.merge_adapter()
+    before, merged = storage_of(peft_model), logits(peft_model, token_batch)
+    with pytest.raises(ValueError, match=r"Cannot add a NeuroAda adapter to '.*' while adapters are merged"):
+        peft_model.add_adapter("other", NeuroAdaConfig(k=1))
+    assert "other" not in peft_model.peft_config
+    assert_same_storage(before, storage_of(peft_model))
+    assert torch.equal(logits(peft_model, token_batch), merged)
+
+
 def test_a_merge_that_fails_midway_leaves_every_quantized_layer_as_it_was(tiny_dir, token_batch, monkeypatch) -> None:
     peft_model = trained(load(tiny_dir, "bnb-int8"), token_batch)
     before = storage_of(peft_model)
