@@ -1,4 +1,4 @@
-"""Gradient-based selection: per neuron, the inputs whose weights have the largest accumulated |dL/dw|.
+"""Gradient-based selection: per neuron, the inputs whose weights have the largest |Σ dL/dw| over the batches.
 
 The dense weight gradient of a layer is `grad_out.T @ x`; it is accumulated only for as many layers at a time as fit
 in `max_accumulated_elements`, with one pass over the calibration batches per group of layers, so the full dense
@@ -81,7 +81,7 @@ def select_by_gradient(
     loss_of: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
     max_accumulated_elements: int = 1 << 27,
 ) -> None:
-    """Re-select every layer's inputs of `adapter_name` by accumulated gradient magnitude, then restart its deltas.
+    """Re-select every layer's inputs of `adapter_name` by the magnitude of their summed gradient, then restart its deltas.
 
     Call after `get_peft_model(..., NeuroAdaConfig(selection="gradient"))` and before training. `batches` are model
     inputs with labels (e.g. a few tokenized training batches); `loss_of(model, batch)` defaults to
