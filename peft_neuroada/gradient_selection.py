@@ -81,7 +81,7 @@ def select_by_gradient(
     loss_of: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
     max_accumulated_elements: int = 1 << 27,
 ) -> None:
-    """Re-select every layer's inputs of `adapter_name` by the magnitude of their summed gradient, then restart its deltas.
+    """Re-select every layer's inputs of `adapter_name` by their summed gradient's magnitude; restart its deltas.
 
     Call after `get_peft_model(..., NeuroAdaConfig(selection="gradient"))` and before training. `batches` are model
     inputs with labels (e.g. a few tokenized training batches); `loss_of(model, batch)` defaults to
