@@ -67,9 +67,10 @@ def _accumulate_gradients(
             hook.remove()
         model.zero_grad(set_to_none=True)
     if missed := [name for name, _ in group if name not in reached]:
+        more = f" (and {len(missed) - 1} more)" if len(missed) > 1 else ""
         raise ValueError(
-            f"No gradient reached the NeuroAda layer '{missed[0]}' (and {len(missed) - 1} more) during gradient "
-            "selection: the loss must depend on the layers' outputs through their trainable deltas."
+            f"No gradient reached the NeuroAda layer '{missed[0]}'{more} during gradient selection: the loss must "
+            "depend on the layers' outputs through their trainable deltas."
         )
     return accumulated
 
