@@ -315,9 +315,15 @@ def _delta_grads(ctx, x_saved: torch.Tensor | None, grad2d: torch.Tensor, deltas
     ]
 
 
-def _save_input(ctx, x: torch.Tensor, placements: Sequence[Placement], needs_delta_grads: bool):
+def _keep_for_backward(ctx, x, weight, bias, lock, placements: Sequence[Placement], deltas) -> None:
+    """What the in-place and direct paths' backward reads: the input (or the columns of it the deltas read) and the
+    deltas as saved tensors. The weight is kept as a plain reference, not saved: in-place visits change its version
+    on every call, and backward reads it under its lock."""
+    needs_delta_grads = any(ctx.needs_input_grad[5:])
     x_saved, ctx.saved_placements = input_for_backward(x, placements) if needs_delta_grads else (None, placements)
-    return x_saved
+    ctx.save_for_backward(x_saved, *deltas)
+    ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _times_weight(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -341,10 +347,7 @@ class InplaceMergedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lock, placements, *deltas):
         out = merged_linear(x, weight, bias, lock, placements, *deltas)
-        ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
-        # The weight is not saved as a tensor: its version changes with every visit, and backward patches it again.
-        ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        _keep_for_backward(ctx, x, weight, bias, lock, placements, deltas)
         return out
 
     @staticmethod
@@ -378,9 +381,7 @@ class DirectLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lock, placements, *deltas):
         out = direct_linear(x, weight, bias, lock, placements, *deltas)
-        ctx.save_for_backward(_save_input(ctx, x, placements, any(ctx.needs_input_grad[5:])), *deltas)
-        ctx.weight, ctx.lock, ctx.placements, ctx.input_dtype = weight, lock, placements, x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        _keep_for_backward(ctx, x, weight, bias, lock, placements, deltas)
         return out
 
     @staticmethod
