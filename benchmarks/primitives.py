@@ -6,7 +6,8 @@
 
 Every candidate is checked against a plain reference before it is timed. Times are medians over repeated calls of
 both wall-clock and process CPU time; ratios are to the layer's dense forward matmul (`x @ W.T`), the unit a frozen
-layer pays once in forward and once in backward. The last group times whole layers through the public API (forward +
+layer pays once in forward and once in backward. The selection group prices keeping no index: the top-k selection
+that would then run again at every visit. The last group times whole layers through the public API (forward +
 backward with input gradients, as inside a model): a frozen `nn.Linear` (the floor: 2 units), NeuroAda, and LoRA at
 the same parameter budget.
 """
@@ -156,6 +157,18 @@ def fwd_reference(layer: Layer) -> torch.Tensor:
     return F.linear(layer.x, layer.weight + layer.csr(layer.delta).to_dense())
 
 
+# ----------------------------------------------------- selection: what a mode keeping no index would pay per visit
+
+
+def selected_columns(layer: Layer) -> torch.Tensor:
+    return layer.cols
+
+
+def select_top_magnitude(layer: Layer) -> torch.Tensor:
+    """Each row's top-k |w| columns selected again from the frozen weight (stored indices make this a one-off)."""
+    return layer.weight.abs().topk(layer.k, dim=1, sorted=False).indices.sort(dim=1).values
+
+
 # ------------------------------------------------- peft_neuroada.kernels: each backend the dispatcher chooses from
 
 
@@ -249,6 +262,7 @@ CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Laye
     ),
     "input grad": (bwd_input_reference, [bwd_input_base, bwd_input_inplace_merge]),
     "bypass input grad": (bypass_input_reference, []),
+    "selection": (selected_columns, [select_top_magnitude]),
 }
 
 

@@ -88,6 +88,7 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
         ("forward", "inplace_merge"),
         ("layer fwd+bwd", "neuroada k={k}"),
         ("layer fwd+bwd", "frozen nn.Linear"),
+        ("selection", "top_magnitude"),
     }
     for k in ("1", "5"):
         for op, candidate in expected_candidates:
