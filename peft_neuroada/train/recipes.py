@@ -86,7 +86,13 @@ class DataSpec:
 @dataclass
 class TrainingSpec:
     """Trainer settings (AdamW, linear decay). `warmup` below 1 is a fraction of all steps, else a step count.
-    `max_steps` > 0 overrides `epochs`. `bf16: auto` uses bf16 mixed precision on GPUs that support it."""
+    `max_steps` > 0 overrides `epochs`. `bf16: auto` uses bf16 mixed precision on GPUs that support it.
+
+    `loss_average` is how a generation recipe's loss weighs its tokens when `gradient_accumulation_steps` > 1:
+    `batch` gives every label token of the whole accumulated batch the same weight (transformers >= 4.46);
+    `micro_batch` averages each micro-batch of `batch_size` examples over its own tokens and then the micro-batches
+    (transformers < 4.46, which the official code ran on: the paper recipes use it). A GLUE classifier's loss is a
+    mean over examples, so it always averages each micro-batch."""
 
     learning_rate: float = 1e-3
     batch_size: int = 16
@@ -99,6 +105,11 @@ class TrainingSpec:
     logging_steps: int = 10
     save_steps: int = 500
     bf16: Literal["auto", True, False] = "auto"
+    loss_average: Literal["batch", "micro_batch"] = "batch"
+
+    def __post_init__(self) -> None:
+        if self.loss_average not in ("batch", "micro_batch"):
+            raise RecipeError(f"training.loss_average must be 'batch' or 'micro_batch' (got {self.loss_average!r}).")
 
 
 @dataclass
@@ -131,9 +142,9 @@ class Recipe:
 
     `task` is what the run trains: `generation`, a causal LM answering the data sets' prompts (commonsense, math,
     your own), or `glue`, a sequence classifier with a trained head on the one GLUE task in `data.train`, scored on
-    that task's validation set (glue.py). `seed` is the run's one seed, as the official code's `--seed`: the
-    Trainer's (a new head's initial values, the data order) and for GLUE the validation split's. The paper tunes
-    with 42 and reports seeds 43-46 (`--set seed=43`)."""
+    that task's validation set (glue.py). `seed` is the run's one seed, where the official code takes `--seed`:
+    the Trainer's (a new head's initial values, the data order, neither drawn as in the official runs) and for GLUE
+    the validation split's (drawn as there). The paper tunes with 42 and reports seeds 43-46 (`--set seed=43`)."""
 
     name: str
     output_dir: str

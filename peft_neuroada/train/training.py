@@ -87,6 +87,19 @@ def training_arguments(recipe: Recipe, **overrides: object) -> TrainingArguments
     return TrainingArguments(**(arguments | overrides))
 
 
+def make_trainer(recipe: Recipe, model: PeftModel, **kwargs: object) -> Trainer:
+    """transformers' Trainer for `recipe`, averaging the loss as `training.loss_average` says.
+
+    Told that the model takes no loss arguments, the Trainer lets the model average each micro-batch's loss and
+    divides it by the accumulation steps itself. A sequence classifier must always run that way: it accepts
+    `num_items_in_batch` but ignores it, and the Trainer would then skip the division (twice the gradient at 2
+    accumulation steps)."""
+    trainer = Trainer(model=model, **kwargs)
+    if recipe.task == "glue" or recipe.training.loss_average == "micro_batch":
+        trainer.model_accepts_loss_kwargs = False
+    return trainer
+
+
 def train_and_save(
     trainer: Trainer, model: PeftModel, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, train_examples: int
 ) -> TrainingOutcome:
@@ -127,8 +140,9 @@ def fine_tune(recipe: Recipe) -> TrainingOutcome:
     examples = load_split(recipe.data.dir, recipe.data.train, "train", recipe.data.train_size, recipe.data.seed)
     dataset = get_protocol(recipe.protocol).training_dataset(examples, tokenizer, recipe.data.max_length)
     model = get_peft_model(base, recipe.method.peft_config())
-    trainer = Trainer(
-        model=model,
+    trainer = make_trainer(
+        recipe,
+        model,
         args=training_arguments(recipe),
         train_dataset=dataset,
         data_collator=training_collator(tokenizer),
@@ -153,8 +167,9 @@ class GlueData:
 
 def glue_data(recipe: Recipe) -> GlueData:
     """The recipe's GLUE data, drawn as the official run draws it: `set_seed(seed)` (train_our.py L506), the data,
-    then the split from torch's global generator (L343). A model loaded next draws its new head from that generator,
-    as the official build_model does, so a seed gives the official split and initial head."""
+    then the split from torch's global generator (L343), so a seed gives the official split. A model loaded next
+    draws its new head from that generator, as the official build_model does (with this transformers' initialisation,
+    so not the official head's values)."""
     task = recipe.glue
     set_seed(recipe.seed)
     train, validation = load_glue(task, recipe.data.dir)
@@ -228,8 +243,9 @@ def fine_tune_glue(recipe: Recipe) -> GlueTraining:
         logits = logits[0] if isinstance(logits, tuple) else logits
         return {task.metric: score(task, torch.as_tensor(logits), prediction.label_ids.tolist())}
 
-    trainer = Trainer(
-        model=model,
+    trainer = make_trainer(
+        recipe,
+        model,
         args=training_arguments(
             recipe,
             eval_strategy="epoch",
