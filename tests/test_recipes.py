@@ -16,6 +16,14 @@ from peft_neuroada.train.recipes import MethodSpec, load_recipe
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER_MODELS = ("llama-7b", "llama-13b", "llama2-7b", "llama3-8b")
+# The official scripts' micro-batches: (micro_batch_size, batch_size // micro_batch_size) of
+# scripts/percell/perCell_mag_add/top{1,20}/{commonsense,math}.sh (a batch below micro_batch_size is one micro-batch).
+OFFICIAL_MICRO_BATCHES = {
+    ("commonsense", 1): (8, 1),
+    ("commonsense", 20): (16, 1),
+    ("math", 1): (2, 8),
+    ("math", 20): (2, 4),
+}
 # LoReFT's RoBERTa-base GLUE settings (arXiv 2404.03592v3, Table 9): learning rate, warmup ratio, epochs.
 LOREFT_ROBERTA_BASE = {
     "mnli": (6e-4, 0.06, 40),
@@ -47,6 +55,10 @@ def test_paper_recipes_cover_every_model_task_and_k_with_the_papers_protocol():
                 assert recipe.evaluation.size is None and recipe.dtype == "bfloat16"
                 assert recipe.protocol == "paper" and recipe.task == "generation"
                 assert recipe.method.delta_dtype == "bfloat16" and recipe.merge_before_evaluation, "official settings"
+                spec = recipe.training
+                micro_batches = (spec.batch_size, spec.gradient_accumulation_steps)
+                assert micro_batches == OFFICIAL_MICRO_BATCHES[task, recipe.method.k], recipe.name
+                assert spec.loss_average == "micro_batch", "each micro-batch averaged alone, as on transformers 4.45"
                 budgets = recipe.evaluation.max_new_tokens
                 assert (budgets["options"], budgets["number"]) == (32, 512), "official commonsense / math budgets"
             assert top1.training.learning_rate > top20.training.learning_rate
