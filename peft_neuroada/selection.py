@@ -76,9 +76,10 @@ def select_inputs(
 
 
 def select_neurons(d_out: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:
-    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them)."""
+    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them): all but
+    int((1 - fraction) * d_out), as the official ablation (`certainCell`) counts the neurons it freezes."""
     if fraction >= 1.0:
         return None
-    count = max(1, round(fraction * d_out))
+    count = max(1, d_out - int((1 - fraction) * d_out))
     rows = torch.randperm(d_out, generator=generator)[:count].sort().values
     return rows.to(INDEX_DTYPE)

@@ -129,3 +129,11 @@ def test_selection_strategies_on_real_minilm_follow_their_rule_and_reproduce_on_
         assert torch.equal(reinjected[name], indices) and torch.equal(reloaded_indices[name], indices), name
     tokens = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(hidden(reloaded, tokens), hidden(model, tokens))
+
+
+@pytest.mark.parametrize(("d_out", "fraction"), [(1000, 0.1234), (4096, 0.1), (576, 0.3), (10, 0.01)])
+def test_neuron_fraction_tunes_as_many_neurons_as_the_official_ablation(d_out, fraction):
+    """The official `certainCell` ablation freezes int((1 - fraction) * rows) neurons and tunes the others."""
+    rows = select_neurons(d_out, fraction, torch.Generator().manual_seed(0))
+    assert rows.numel() == d_out - int((1 - fraction) * d_out)
+    assert rows.unique().numel() == rows.numel() and 0 <= rows.min() and rows.max() < d_out
