@@ -112,9 +112,16 @@ class NeuroAdaLayer(BaseTunerLayer):
             return weight
         weight = weight.detach().clone()
         for name in reversed(self.merged_adapters):
-            placement, originals = self._merge_originals[name]
-            write_placed_(weight, placement, originals)
+            write_placed_(weight, *self._merged_entries(name, weight))
         return weight
+
+    def _merged_entries(self, name: str, weight: torch.Tensor) -> tuple[Placement, torch.Tensor]:
+        """Where merged adapter `name` sits and the entries it overwrote, on `weight`'s device and in its dtype: the
+        model may have been cast or moved since the merge (the originals round as the cast rounded the weight)."""
+        placement, originals = self._merge_originals[name]
+        device = weight.device
+        rows = None if placement.rows is None else placement.rows.to(device)
+        return Placement(placement.cols.to(device), rows), originals.to(device=device, dtype=weight.dtype)
 
     def quantized(self) -> QuantizedLinear | None:
         """The base layer seen as its dequantized weight if it is quantized (None for a plain float weight)."""
@@ -353,7 +360,7 @@ class NeuroAdaLayer(BaseTunerLayer):
             with weight_lock(self.get_base_layer()), self._weight_writes(weight):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
-                    placement, originals = self._merge_originals[name]
+                    placement, originals = self._merged_entries(name, weight)
                     undone.append((name, placement, originals, placed_entries(weight, placement)))
                     write_placed_(weight, placement, originals)
                     del self._merge_originals[name]

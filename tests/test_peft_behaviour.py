@@ -109,6 +109,28 @@ def test_an_adapter_added_while_another_is_merged_selects_its_inputs_on_the_base
 
 
 @TINY_AND_REAL
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_merged_model_cast_to_another_dtype_unmerges_to_the_cast_base_weights(make_model, dtype, token_batch):
+    """As with LoRA: merge, cast the model (e.g. `.half()` for inference), then add an adapter, disable, unmerge."""
+    cast_base = {name: weight.detach().to(dtype) for name, weight in make_model().named_parameters()}
+    model = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False))
+    model.merge_adapter()
+    model.to(dtype)
+    model.add_adapter("two", NeuroAdaConfig(k=2))
+    selected_on_cast_base = get_peft_model(make_model().to(dtype), NeuroAdaConfig(k=2), adapter_name="two")
+    for name, layer in named_neuroada_layers(model).items():
+        expected = named_neuroada_layers(selected_on_cast_base)[name].placement("two").cols
+        assert torch.equal(layer.placement("two").cols, expected), name
+    with model.disable_adapter():  # unmerges
+        disabled = hidden(model, token_batch)
+    assert torch.equal(disabled, hidden(make_model().to(dtype), token_batch))
+    model.merge_adapter()
+    model.unmerge_adapter()
+    for name, weight in model.unload().named_parameters():
+        assert torch.equal(weight, cast_base[name]), name
+
+
+@TINY_AND_REAL
 def test_multiple_adapters_add_set_combine_and_delete(make_model, token_batch):
     base_outputs = hidden(make_model(), token_batch)
     model = get_peft_model(make_model(), NeuroAdaConfig(k=2, init_weights=False), adapter_name="one")
