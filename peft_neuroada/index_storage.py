@@ -1,13 +1,20 @@
-"""How a layer keeps its selected input columns: int16 in memory, in a buffer every collective backend can broadcast.
+"""How a layer keeps its selected input columns: int16 in memory, in a buffer every collective backend can broadcast
+and every loader can load by name.
 
 The columns are the one tensor NeuroAda keeps that LoRA has none of (SmolLM2 at k=20: 3.1M of them, 11.9 MiB as
 int32), and int16 holds every column of a layer with up to 32,768 inputs. But DDP broadcasts buffers, and neither gloo
 nor NCCL broadcasts int16 (gloo: `RuntimeError: Invalid scalar type`). So a layer's int16 columns are packed in pairs
 into a flat int32 buffer, and everything that reads them takes its (n, k) int16 view. Wider layers keep plain (n, k)
-int32 columns. On disk columns are always (n, k), in the smallest dtype that holds them (`index_dtype`).
+int32 columns.
+
+The buffer is saved as it is held: transformers' own adapter loading (`load_adapter`, `from_pretrained` on an adapter
+folder) assigns saved tensors to buffers by name after comparing shapes, and calls no peft hook that could repack them.
+peft's loading also reads (n, k) columns, the layout of adapters saved before.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -15,17 +22,20 @@ from .selection import INDEX_DTYPE as BUFFER_DTYPE  # the dtype selection return
 
 PACKED_DTYPE = torch.int16
 _PACKED_MAX_COLUMNS = torch.iinfo(PACKED_DTYPE).max + 1
+# A pair's first column is the low half of its int32 in saved files; the int16 view reads it there on little-endian
+# machines only, so big-endian ones keep (n, k) int32 columns.
+_PACKS = sys.byteorder == "little"
 
 
 def index_dtype(size: int) -> torch.dtype:
-    """Smallest integer dtype able to hold every index into a dimension of `size` entries (the saved dtype)."""
+    """Smallest integer dtype able to hold every index into a dimension of `size` entries."""
     return PACKED_DTYPE if size <= _PACKED_MAX_COLUMNS else BUFFER_DTYPE
 
 
 def to_buffer(cols: torch.Tensor, d_in: int) -> torch.Tensor:
     """The (n, k) columns of a layer with `d_in` inputs as the layer stores them: int16 pairs in a flat int32 tensor
     (padded with one zero when n * k is odd), or (n, k) int32 when d_in exceeds int16."""
-    if index_dtype(d_in) != PACKED_DTYPE:
+    if index_dtype(d_in) != PACKED_DTYPE or not _PACKS:
         return cols.to(BUFFER_DTYPE)
     flat = cols.reshape(-1).to(PACKED_DTYPE)
     if flat.numel() % 2:
@@ -39,3 +49,21 @@ def from_buffer(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) -> to
         return buffer
     n, k = shape
     return buffer.view(PACKED_DTYPE)[: n * k].view(n, k)
+
+
+def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The (n, k) columns a saved index tensor holds: a packed buffer (int16 pairs in int32) or (n, k) columns.
+
+    Unpacked arithmetically, whatever the machine's byte order; raises if the tensor cannot hold (n, k) columns."""
+    n, k = shape
+    if saved.dim() == 2:
+        if tuple(saved.shape) != (n, k):
+            raise ValueError(f"holds columns of shape {tuple(saved.shape)}, not {(n, k)}")
+        return saved
+    if saved.dim() != 1 or saved.dtype != BUFFER_DTYPE or saved.numel() != (n * k + 1) // 2:
+        raise ValueError(
+            f"is a {saved.dtype} tensor of shape {tuple(saved.shape)}, not {(n * k + 1) // 2} int32 pairs of columns "
+            f"for {(n, k)}"
+        )
+    pairs = saved.long()
+    return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)

@@ -31,7 +31,7 @@ from .config import (
     TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
     NeuroAdaConfig,
 )
-from .index_storage import from_buffer, index_dtype, to_buffer
+from .index_storage import saved_columns, to_buffer
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
@@ -407,11 +407,11 @@ class NeuroAdaModel(BaseTuner):
         state_dict: dict[str, torch.Tensor],
         unwanted_adapter_names: list[str],
     ) -> dict[str, torch.Tensor]:
-        """The adapter's tensors, index buffers as (n, k) / (n,) tensors of the smallest dtype that holds them (int16
-        mostly)."""
+        """The adapter's tensors, index buffers as the layers hold them (index_storage.py: what transformers' own
+        adapter loading can assign back by name)."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
-        return {key: _saved_indices(key, selected) if _is_index_buffer(key) else t for key, t in selected.items()}
+        return selected
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
@@ -511,22 +511,6 @@ def _entries_of_wrapped_layers(
     return entries
 
 
-def _is_index_buffer(key: str) -> bool:
-    """Whether a state-dict key (`<layer>.neuroada_indices.<adapter>`) names an index buffer; trained biases of
-    `bias="all"` can be top-level keys without dots."""
-    parts = key.rsplit(".", 2)
-    return len(parts) > 1 and parts[-2] in _INDEX_BUFFERS
-
-
-def _saved_indices(key: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
-    """An index buffer as saved: columns unpacked to the (n, k) shape of their deltas, in the smallest dtype."""
-    indices = state_dict[key]
-    layer, attribute, adapter = key.rsplit(".", 2)
-    if attribute == "neuroada_indices":
-        indices = from_buffer(indices, state_dict[f"{layer}.neuroada_delta.{adapter}"].shape)
-    return indices.to(index_dtype(int(indices.max()) + 1)) if indices.numel() else indices
-
-
 def _check_adapter_fits_layer(
     name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
 ) -> None:
@@ -540,6 +524,14 @@ def _check_adapter_fits_layer(
         saved, expected = state_dict[key], container[adapter_name]
         if attribute == "neuroada_indices":
             expected = layer.placement(adapter_name).cols
+            try:
+                saved = saved_columns(saved, tuple(expected.shape))
+            except ValueError as error:
+                raise ValueError(
+                    f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
+                    f"that this layer ({layer.out_features} outputs, {layer.in_features} inputs) needs for this "
+                    "config. Load the adapter on the base model it was trained on."
+                ) from None
         if saved.shape != expected.shape:
             raise ValueError(
                 f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "

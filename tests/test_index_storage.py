@@ -1,11 +1,12 @@
-"""How layers keep their selected columns: int16 pairs in an int32 buffer, read back as an (n, k) view."""
+"""How layers keep their selected columns: int16 pairs in an int32 buffer, read back as an (n, k) view, and saved as
+held."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peft_neuroada.index_storage import from_buffer, index_dtype, to_buffer
+from peft_neuroada.index_storage import from_buffer, index_dtype, saved_columns, to_buffer
 
 
 @pytest.mark.parametrize("shape", [(6, 3), (5, 3), (1, 1), (4, 20)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -28,3 +29,17 @@ def test_columns_of_a_wider_layer_stay_int32_and_unpacked():
 def test_saved_indices_use_int16_when_every_column_fits_else_int32():
     assert index_dtype(32768) == torch.int16
     assert index_dtype(32769) == torch.int32
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (5, 3)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_saved_columns_are_read_from_a_packed_buffer_or_as_n_by_k_columns(shape):
+    cols = torch.randint(0, 32768, shape)
+    assert torch.equal(saved_columns(to_buffer(cols, d_in=32768), shape), cols)
+    assert torch.equal(saved_columns(cols.to(torch.int16), shape), cols)
+
+
+def test_saved_columns_that_cannot_hold_the_layers_columns_are_refused():
+    with pytest.raises(ValueError, match=r"not 8 int32 pairs of columns for \(5, 3\)"):
+        saved_columns(torch.zeros(7, dtype=torch.int32), (5, 3))
+    with pytest.raises(ValueError, match=r"shape \(5, 2\), not \(5, 3\)"):
+        saved_columns(torch.zeros(5, 2, dtype=torch.int16), (5, 3))

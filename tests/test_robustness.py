@@ -12,6 +12,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.index_storage import from_buffer
 from tests.conftest import logits, neuroada_layers, real_minilm, tiny_bert, tiny_llama
 
 
@@ -55,10 +56,14 @@ def test_invalid_config_fields_are_refused_by_name(saved_adapter, field, value, 
 
 
 @pytest.mark.parametrize("saved_dtype", [torch.int32, torch.int64])
-def test_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, token_batch, saved_dtype):
+def test_n_by_k_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, token_batch, saved_dtype):
     model, adapter_dir = saved_adapter
     weights = adapter_dir / "adapter_model.safetensors"
-    tensors = {k: v.to(saved_dtype) if k.endswith("indices") else v for k, v in load_file(weights).items()}
+    tensors = load_file(weights)
+    layers = [key.removesuffix(".neuroada_delta") for key in tensors if key.endswith(".neuroada_delta")]
+    for layer in layers:
+        cols = from_buffer(tensors[f"{layer}.neuroada_indices"], tensors[f"{layer}.neuroada_delta"].shape)
+        tensors[f"{layer}.neuroada_indices"] = cols.to(saved_dtype)
     save_file(tensors, weights)
     for low_cpu_mem_usage in (False, True):
         loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)

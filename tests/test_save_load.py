@@ -25,8 +25,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from peft_neuroada import NeuroAdaConfig
-from tests.conftest import TINY_AND_REAL, hidden, logits, named_neuroada_layers, tiny_llama
+from peft_neuroada import NeuroAdaConfig, select_by_gradient
+from peft_neuroada.index_storage import from_buffer
+from tests.conftest import TINY_AND_REAL, hidden, indices_by_layer, logits, named_neuroada_layers, tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,12 +45,13 @@ def test_saved_adapter_holds_only_deltas_and_compact_indices(trained_smollm2_ada
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in adapter_dir.iterdir()}
     tensors = load_file(adapter_dir / "adapter_model.safetensors")
     assert {key.rsplit(".", 1)[-1] for key in tensors} == {"neuroada_delta", "neuroada_indices"}
-    indices = [t for key, t in tensors.items() if key.endswith("neuroada_indices")]
-    deltas = [t for key, t in tensors.items() if key.endswith("neuroada_delta")]
-    assert all(t.dtype == torch.int16 and t.shape[1] == 1 for t in indices)
-    assert all(t.dtype == torch.float32 for t in deltas)
-    neurons = sum(t.shape[0] for t in deltas)
-    payload = neurons * (4 + 2)
+    deltas = {key.rsplit(".", 1)[0]: t for key, t in tensors.items() if key.endswith("neuroada_delta")}
+    assert all(t.dtype == torch.float32 and t.shape[1] == 1 for t in deltas.values())
+    for layer, delta in deltas.items():  # int16 column pairs in int32 (plus a zero after an odd count)
+        indices = tensors[f"{layer}.neuroada_indices"]
+        assert indices.dtype == torch.int32 and indices.shape == ((delta.numel() + 1) // 2,), layer
+    neurons = sum(t.shape[0] for t in deltas.values())
+    payload = neurons * (4 + 2) + 2 * len(deltas)
     size = (adapter_dir / "adapter_model.safetensors").stat().st_size
     print(f"\nSmolLM2-135M NeuroAda k=1 adapter: {size:,} bytes for {neurons:,} neurons (payload {payload:,} bytes)")
     header_budget = 160 * len(tensors)  # safetensors' JSON header: name, dtype, shape, offsets per tensor
@@ -119,8 +121,8 @@ def test_loading_onto_a_differently_shaped_base_names_the_layer(tmp_path):
 def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch):
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
-    key = "base_model.model.model.layers.1.mlp.down_proj.neuroada_indices"
-    tensors[key][0, 0] = 48
+    layer = "base_model.model.model.layers.1.mlp.down_proj"
+    saved_cols(tensors, layer)[0, 0] = 48
     save_file(tensors, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ValueError, match=r"layer '.*layers\.1\.mlp\.down_proj'.*\[0, 48\].*only 48 inputs"):
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
@@ -141,7 +143,8 @@ def test_loading_an_index_repeated_where_selection_never_repeats_one_is_refused(
     in-place path write the same entries."""
     get_peft_model(tiny_llama(), config).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
-    repeat(tensors[f"base_model.model.model.layers.0.self_attn.q_proj.{attribute}"])
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    repeat(saved_cols(tensors, layer) if attribute == "neuroada_indices" else tensors[f"{layer}.{attribute}"])
     save_file(tensors, tmp_path / "adapter_model.safetensors")
     base = tiny_llama()
     before = hidden(base, token_batch)
@@ -171,17 +174,74 @@ def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
     assert load_file(save_file_path).keys() == get_peft_model_state_dict(model).keys()
 
 
-def test_columns_are_int16_in_memory_packed_into_int32_buffers_and_int16_on_disk(tmp_path):
-    """DDP broadcasts buffers and no collective backend broadcasts int16, so pairs of int16 columns share an int32."""
-    get_peft_model(tiny_llama(), NeuroAdaConfig(k=3)).save_pretrained(tmp_path)
+def saved_cols(tensors: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """A saved layer's (n, k) columns, as a view into its saved int32 pairs."""
+    return from_buffer(tensors[f"{layer}.neuroada_indices"], tensors[f"{layer}.neuroada_delta"].shape)
+
+
+def test_columns_are_int16_pairs_in_int32_buffers_in_memory_and_on_disk(tmp_path):
+    """DDP broadcasts buffers and no collective backend broadcasts int16, so pairs of int16 columns share an int32;
+    saved as held, so loaders that assign tensors by name (transformers') load them as they are."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3))
+    model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
-    assert {t.dtype for key, t in saved.items() if key.endswith("neuroada_indices")} == {torch.int16}
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     for name, layer in named_neuroada_layers(loaded).items():
         buffer, cols = layer.neuroada_indices["default"], layer.placement("default").cols
         assert buffer.dtype == torch.int32 and buffer.numel() == (cols.numel() + 1) // 2
         assert cols.dtype == torch.int16 and cols.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        assert torch.equal(cols, saved[f"{name}.neuroada_indices"]), name
+        assert torch.equal(buffer, saved[f"{name}.neuroada_indices"]), name
+        assert torch.equal(cols, named_neuroada_layers(model)[name].placement("default").cols), name
+
+
+def test_adapters_saved_with_n_by_k_columns_still_load(tmp_path, token_batch):
+    """The layout of adapters saved before the columns were saved as held: (n, k) int16."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    layers = [key.removesuffix(".neuroada_delta") for key in tensors if key.endswith(".neuroada_delta")]
+    unpacked = {f"{layer}.neuroada_indices": saved_cols(tensors, layer).clone() for layer in layers}
+    save_file(tensors | unpacked, tmp_path / "adapter_model.safetensors")
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    assert torch.equal(logits(reloaded, token_batch), logits(model, token_batch))
+
+
+def gradient_selected_adapter(base: nn.Module, tokens: torch.Tensor):
+    """An adapter whose columns a fresh magnitude selection would not pick, with trained-looking deltas."""
+    model = get_peft_model(base, NeuroAdaConfig(k=2, selection="gradient"))
+    select_by_gradient(model, [{"input_ids": tokens, "labels": tokens}])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "neuroada_delta" in name:
+                parameter.normal_(std=0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("how", ["load_adapter", "from_pretrained"])
+def test_transformers_own_adapter_loading_reproduces_the_adapter(tmp_path, token_batch, how):
+    """`model.load_adapter(dir)` and `AutoModelForCausalLM.from_pretrained(adapter_dir)` assign the saved tensors by
+    name after comparing shapes, without peft's load hooks."""
+    base_dir = tmp_path / "base"
+    tiny_llama().save_pretrained(base_dir)
+    model = gradient_selected_adapter(AutoModelForCausalLM.from_pretrained(base_dir), token_batch)
+    fresh = indices_by_layer(get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)))
+    assert any(not torch.equal(cols, fresh[name]) for name, cols in indices_by_layer(model).items())
+    model.save_pretrained(tmp_path / "adapter")
+    if how == "load_adapter":
+        loaded = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        loaded.load_adapter(tmp_path / "adapter")
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
+
+
+def test_transformers_load_adapter_reproduces_a_smollm2_adapter(smollm2_path, smollm2_tokenizer, tmp_path):
+    tokens = smollm2_tokenizer(["The capital of France is"], return_tensors="pt")["input_ids"]
+    model = gradient_selected_adapter(AutoModelForCausalLM.from_pretrained(smollm2_path), tokens)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(smollm2_path).eval()
+    loaded.load_adapter(tmp_path)
+    assert torch.equal(logits(loaded, tokens), logits(model, tokens))
 
 
 class WideInput(nn.Module):
