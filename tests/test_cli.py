@@ -116,13 +116,31 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
             ["train", "{recipe}", "--set", "task=glue", "--set", "data.train=[nope]", "--set", "evaluation.tasks=[]"],
             r"neuroada train: error: Unknown GLUE task 'nope'",
         ),
+        (["train", "{recipe}", "--set", "method.k=0"], r"neuroada train: error: method \(neuroada\): .*k must be"),
+        (["train", "{recipe}", "--set", "training.learning_rate=fast"], r"training\.learning_rate must be a number"),
+        (["train", "{broken}"], r"error: .*broken\.yaml is not valid YAML"),
+        (["train", "{empty}"], r"error: .*empty is a folder; name a recipe file in it"),
+        (["eval", "{recipe}"], r"neuroada eval: error: No adapter in .*: train it first"),
     ],
-    ids=["missing recipe", "unknown key", "missing data", "bad value", "unknown GLUE task"],
+    ids=[
+        "missing recipe",
+        "unknown key",
+        "missing data",
+        "bad value",
+        "unknown GLUE task",
+        "bad method value",
+        "not a number",
+        "broken YAML",
+        "a folder",
+        "eval before train",
+    ],
 )
 def test_what_the_user_named_wrong_ends_in_one_message_not_a_traceback(tiny_llama_dir, tmp_path, arguments, message):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama_dir, tmp_path / "out", "{name: neuroada, k: 1}")
     (tmp_path / "empty").mkdir()
-    arguments = [argument.format(recipe=recipe, empty=tmp_path / "empty") for argument in arguments]
+    (tmp_path / "broken.yaml").write_text("training: {learning_rate: 1\n")
+    places = {"recipe": recipe, "empty": tmp_path / "empty", "broken": tmp_path / "broken.yaml"}
+    arguments = [argument.format(**places) for argument in arguments]
     with pytest.raises(SystemExit, match=message) as exit_info:
         main(arguments)
     assert exit_info.value.__cause__ is None and exit_info.value.__suppress_context__

@@ -61,7 +61,10 @@ def test_both_llm_adapters_layouts_are_found(tmp_path):
     (tmp_path / "commonsense_170k.json").write_text("[]")
     assert dataset_file(tmp_path, "boolq", "test") == tmp_path / "boolq" / "test.json"
     assert dataset_file(tmp_path, "commonsense_170k", "train") == tmp_path / "commonsense_170k.json"
-    with pytest.raises(FileNotFoundError, match=r"Point the recipe.s data\.dir at your copy"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Point it at your copy .*--set data\.dir=PATH for a recipe, --data-dir PATH for `neuroada prompts`",
+    ):
         dataset_file(tmp_path, "piqa", "test")
 
 

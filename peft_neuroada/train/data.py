@@ -46,7 +46,8 @@ def dataset_file(data_dir: str | Path, name: str, split: str) -> Path:
             return candidate
     raise FileNotFoundError(
         f"No {split} data for '{name}' in {data_dir}: looked for {' and '.join(str(c) for c in candidates)}. "
-        "Point the recipe's data.dir at your copy of the LLM-Adapters data sets (e.g. --set data.dir=PATH)."
+        "Point it at your copy of the LLM-Adapters data sets: --set data.dir=PATH for a recipe, --data-dir PATH "
+        "for `neuroada prompts`."
     )
 
 

@@ -165,6 +165,12 @@ class Recipe:
             raise RecipeError(f"protocol must be one of {sorted(PROTOCOLS)} (got {self.protocol!r}).")
         if self.task not in ("generation", "glue"):
             raise RecipeError(f"task must be 'generation' or 'glue' (got {self.task!r}).")
+        try:  # the method's own checks, before any model loads
+            self.method.peft_config()
+        except RecipeError:
+            raise
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"method ({self.method.name}): {error}") from None
         if self.task == "glue":
             if len(self.data.train) != 1:
                 raise RecipeError(f"A GLUE recipe trains on one GLUE task; data.train is {self.data.train}.")
@@ -200,7 +206,10 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return _build(annotation, value or {}, where)
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     if value is not None and float in (typing.get_args(annotation) if union else (annotation,)):
-        return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise RecipeError(f"{where} must be a number (got {value!r}).") from None
     return value
 
 
@@ -241,7 +250,12 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def _read_with_bases(path: Path) -> dict[str, Any]:
     """The file's values on top of those of the file named by its `extends:` key (relative to it), recursively."""
-    values = yaml.safe_load(path.read_text()) or {}
+    if path.is_dir():
+        raise RecipeError(f"{path} is a folder; name a recipe file in it (e.g. {path}/NAME.yaml).")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{path} is not valid YAML: {error}") from None
     base = values.pop("extends", None)
     return _merge(_read_with_bases(path.parent / base), values) if base else values
 

@@ -130,6 +130,10 @@ def train_and_evaluate(recipe: Recipe, evaluate: bool = True) -> RunSummary:
 
 def evaluate_saved(recipe: Recipe, adapter_dir: str | Path | None, output_dir: str | Path | None = None) -> RunSummary:
     """Evaluate the recipe's base model with the adapter in `adapter_dir`, or the bare base model when None."""
+    if adapter_dir is not None and not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"No adapter in {adapter_dir}: train it first (neuroada train CONFIG), or name one with --adapter DIR."
+        )
     protocol, max_length = recipe.protocol, recipe.data.max_length
     data = glue_data(recipe) if recipe.glue else None
     num_labels = data.task.num_labels if data else None
