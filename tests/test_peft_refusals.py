@@ -129,3 +129,17 @@ def test_instead_of_mixing_merge_neuroada_then_add_another_method(two_saved_adap
     with_lora = get_peft_model(merged, LoraConfig(target_modules=["q_proj", "v_proj"]))
     torch.testing.assert_close(logits(with_lora, TOKENS), expected)
     assert any("lora_" in name for name, p in with_lora.named_parameters() if p.requires_grad)
+
+
+def test_trainable_token_indices_is_loras_alone_and_the_embedding_trains_through_modules_to_save():
+    with pytest.raises(TypeError, match="trainable_token_indices"):
+        NeuroAdaConfig(k=2, trainable_token_indices=[3, 5])
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, modules_to_save=["embed_tokens"]))
+    embedding = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    before = embedding.detach().clone()
+    model.train()
+    model(input_ids=TOKENS, labels=TOKENS).loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    assert not torch.equal(embedding, before)
+    trained = logits(model.eval(), TOKENS)
+    torch.testing.assert_close(logits(model.merge_and_unload(), TOKENS), trained)
