@@ -66,6 +66,14 @@ def test_a_missing_training_extra_is_named_with_the_command_that_installs_it(mon
         main(["train", "recipe.yaml"])
 
 
+def test_the_default_model_names_the_extra_that_converts_it(monkeypatch, tmp_path):
+    """Through the library (no `neuroada` command to check the extra first), before transformers' generic error."""
+    monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(tmp_path))  # nothing converted yet
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match=r"needs the 'gguf' package, part of the training extra: pip install -e"):
+        default_model_path()
+
+
 def test_the_command_line_knows_the_protocols_without_importing_them():
     assert PROTOCOL_NAMES == tuple(sorted(PROTOCOLS))
 

@@ -38,6 +38,11 @@ def _gguf_package_dir() -> Path:
 
 def _convert_gguf(target: Path) -> None:
     source = _gguf_package_dir()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(
+            "Converting the default model from its GGUF file needs the 'gguf' package, part of the training extra: "
+            'pip install -e ".[train]" (or pip install "gguf>=0.10.0").'
+        )
     quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE, dtype=torch.float32)
     config = AutoConfig.from_pretrained(source, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
