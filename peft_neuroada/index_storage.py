@@ -60,10 +60,42 @@ def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         if tuple(saved.shape) != (n, k):
             raise ValueError(f"holds columns of shape {tuple(saved.shape)}, not {(n, k)}")
         return saved
-    if saved.dim() != 1 or saved.dtype != BUFFER_DTYPE or saved.numel() != (n * k + 1) // 2:
+    if saved.dim() != 1 or saved.dtype not in (BUFFER_DTYPE, torch.int64) or saved.numel() != (n * k + 1) // 2:
         raise ValueError(
             f"is a {saved.dtype} tensor of shape {tuple(saved.shape)}, not {(n * k + 1) // 2} int32 pairs of columns "
             f"for {(n, k)}"
         )
     pairs = saved.long()
     return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
+
+
+def checked_indices(layer: str, attribute: str, indices: torch.Tensor, bound: int) -> torch.Tensor:
+    """`indices` (a layer's (n, k) columns or (n,) rows) if they are what selection makes: integers in [0, bound), no
+    column twice in a row, no neuron twice. Raises naming the layer otherwise (kernels and merges would write other
+    weight entries). Values on the meta device are not checked."""
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise ValueError(
+            f"The NeuroAda adapter's {attribute} for layer '{layer}' have dtype {indices.dtype}, not integer."
+        )
+    if indices.numel() and not indices.is_meta and (indices.min() < 0 or indices.max() >= bound):
+        raise ValueError(
+            f"The NeuroAda adapter does not fit the base model at layer '{layer}': its {attribute} range over "
+            f"[{int(indices.min())}, {int(indices.max())}] but the layer has only {bound} "
+            f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
+            "Load the adapter on the base model it was trained on."
+        )
+    if _repeats(indices):
+        where = "a column twice within a neuron's row" if attribute == "neuroada_indices" else "a neuron twice"
+        raise ValueError(
+            f"The NeuroAda adapter's {attribute} for layer '{layer}' name {where}; selection never does, so the file "
+            "is damaged or was edited. Save the adapter again from the model it was trained in."
+        )
+    return indices
+
+
+def _repeats(indices: torch.Tensor) -> bool:
+    """Whether a row of (n, k) columns, or (n,) rows, holds one index twice."""
+    if indices.is_meta or indices.shape[-1] < 2:
+        return False
+    ordered = indices.sort(dim=-1).values
+    return bool((ordered[..., 1:] == ordered[..., :-1]).any())

@@ -26,7 +26,7 @@ from .functional import (
     weight_lock,
     write_placed_,
 )
-from .index_storage import from_buffer, to_buffer
+from .index_storage import checked_indices, from_buffer, to_buffer
 from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
 from .selection import layer_generator, select_inputs, select_neurons
 
@@ -97,6 +97,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.weight_shared_with: tuple[str, ...] = ()
         self._disable_adapters = False
         self.merged_adapters = []
+        self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
         self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
 
     def weight_out_in(self) -> torch.Tensor:
@@ -143,6 +144,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                 stacklevel=2,
             )
             k = self.in_features
+        self.layer_name = layer_name or self.layer_name
         generator = layer_generator(config.selection_seed, layer_name)
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
         strategy = "magnitude" if config.selection == "gradient" else config.selection
@@ -191,7 +193,12 @@ class NeuroAdaLayer(BaseTunerLayer):
             kept = _PLACEMENTS[self] = {}
         made = kept.get(adapter_name)
         if made is None or made[0] is not buffer or made[1] is not rows or made[2] != shape:
-            made = kept[adapter_name] = (buffer, rows, shape, Placement(from_buffer(buffer, shape), rows))
+            # A new buffer (from selection, from peft's loading, or from a loader that assigns tensors by name, like
+            # transformers' load_adapter) is checked once, before a kernel or a merge reads it.
+            cols = checked_indices(self.layer_name, "neuroada_indices", from_buffer(buffer, shape), self.in_features)
+            if rows is not None:
+                checked_indices(self.layer_name, "neuroada_rows", rows, self.out_features)
+            made = kept[adapter_name] = (buffer, rows, shape, Placement(cols, rows))
         return made[3]
 
     def _check_unmerged(self, adapter_name: str) -> None:

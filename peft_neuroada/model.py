@@ -31,7 +31,7 @@ from .config import (
     TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
     NeuroAdaConfig,
 )
-from .index_storage import saved_columns, to_buffer
+from .index_storage import checked_indices, saved_columns, to_buffer
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
@@ -516,6 +516,14 @@ def _check_adapter_fits_layer(
 ) -> None:
     """Validate a layer's saved tensors before loading them, and turn index tensors into the layer's buffers."""
     index_bounds = dict(zip(_INDEX_BUFFERS, (layer.in_features, layer.out_features), strict=True))
+    if f"{name}.neuroada_delta.{adapter_name}" in state_dict:
+        for attribute in index_bounds:
+            if adapter_name in getattr(layer, attribute) and f"{name}.{attribute}.{adapter_name}" not in state_dict:
+                raise ValueError(
+                    f"The NeuroAda adapter holds deltas but no {attribute} for layer '{name}': the deltas would "
+                    "land on entries chosen again here, not the trained ones. The file is damaged or incomplete; "
+                    "save the adapter again from the model it was trained in."
+                )
     for attribute in ("neuroada_delta", *index_bounds):
         key = f"{name}.{attribute}.{adapter_name}"
         container = getattr(layer, attribute)
@@ -539,7 +547,7 @@ def _check_adapter_fits_layer(
                 f"needs {tuple(expected.shape)} for this config. Load the adapter on the base model it was trained on."
             )
         if attribute in index_bounds:
-            checked = _checked_indices(name, attribute, saved, index_bounds[attribute])
+            checked = checked_indices(name, attribute, saved, index_bounds[attribute]).to(INDEX_DTYPE)
             state_dict[key] = to_buffer(checked, layer.in_features) if attribute == "neuroada_indices" else checked
 
 
@@ -569,32 +577,3 @@ def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
     if loaded.shape != current.shape or loaded.is_meta:
         return False
     return torch.equal(loaded.to(device=current.device, dtype=current.dtype), current.detach())
-
-
-def _checked_indices(name: str, attribute: str, saved: torch.Tensor, bound: int) -> torch.Tensor:
-    if saved.is_floating_point() or saved.is_complex() or saved.dtype == torch.bool:
-        raise ValueError(
-            f"The NeuroAda adapter's {attribute} for layer '{name}' have dtype {saved.dtype}, not integer."
-        )
-    if saved.numel() and not saved.is_meta and (saved.min() < 0 or saved.max() >= bound):
-        raise ValueError(
-            f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} range over "
-            f"[{int(saved.min())}, {int(saved.max())}] but the layer has only {bound} "
-            f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
-            "Load the adapter on the base model it was trained on."
-        )
-    if _repeats(saved):
-        where = "a column twice within a neuron's row" if attribute == "neuroada_indices" else "a neuron twice"
-        raise ValueError(
-            f"The NeuroAda adapter's {attribute} for layer '{name}' name {where}; selection never does, so the file "
-            "is damaged or was edited. Save the adapter again from the model it was trained in."
-        )
-    return saved.to(INDEX_DTYPE)
-
-
-def _repeats(indices: torch.Tensor) -> bool:
-    """Whether a row of (n, k) columns, or (n,) rows, holds one index twice."""
-    if indices.is_meta or indices.shape[-1] < 2:
-        return False
-    ordered = indices.sort(dim=-1).values
-    return bool((ordered[..., 1:] == ordered[..., :-1]).any())

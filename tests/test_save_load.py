@@ -235,6 +235,59 @@ def test_transformers_own_adapter_loading_reproduces_the_adapter(tmp_path, token
     assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda cols: cols[0].fill_(-1), r"range over \[-1, .*only 32 inputs"),
+        (lambda cols: cols[1].fill_(32), r"range over \[0, 32\] but the layer has only 32 inputs"),
+        (lambda cols: cols[:, 1].copy_(cols[:, 0]), "a column twice within a neuron's row"),
+    ],
+    ids=["negative", "past the inputs", "repeated"],
+)
+def test_columns_loaded_by_transformers_are_checked_before_a_forward_or_merge_uses_them(
+    tmp_path, token_batch, dtype, edit, message
+):
+    """transformers' loading runs no peft check; the layer checks a new index buffer before its first use (the C
+    kernels would refuse such columns in float32, but bf16's gather path and merges would write other entries)."""
+    base_dir = tmp_path / "base"
+    tiny_llama().to(dtype).save_pretrained(base_dir)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    edit(saved_cols(tensors, "base_model.model.model.layers.0.self_attn.q_proj"))
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    model.load_adapter(tmp_path)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters() if "base_layer" in name}
+    layer = r"layer 'model\.layers\.0\.self_attn\.q_proj'"
+    with pytest.raises(ValueError, match=rf"{layer}.*{message}"):
+        logits(model, token_batch)
+    with pytest.raises(ValueError, match=message):
+        named_neuroada_layers(model)["model.layers.0.self_attn.q_proj"].merge()
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters() if "base_layer" in name)
+
+
+def test_an_adapter_file_with_deltas_but_no_indices_is_refused_naming_the_layer(tmp_path):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    del tensors["base_model.model.model.layers.1.mlp.up_proj.neuroada_indices"]
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"deltas but no neuroada_indices for layer '.*layers\.1\.mlp\.up_proj'"):
+        PeftModel.from_pretrained(tiny_llama(), tmp_path)
+
+
+def test_packed_columns_saved_in_int64_load_like_int32_ones(tmp_path, token_batch):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    widened = {key: t.long() for key, t in tensors.items() if key.endswith("neuroada_indices")}
+    save_file(tensors | widened, tmp_path / "adapter_model.safetensors")
+    assert torch.equal(
+        logits(PeftModel.from_pretrained(tiny_llama(), tmp_path), token_batch), logits(model, token_batch)
+    )
+
+
 def test_transformers_load_adapter_reproduces_a_smollm2_adapter(smollm2_path, smollm2_tokenizer, tmp_path):
     tokens = smollm2_tokenizer(["The capital of France is"], return_tensors="pt")["input_ids"]
     model = gradient_selected_adapter(AutoModelForCausalLM.from_pretrained(smollm2_path), tokens)
