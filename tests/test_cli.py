@@ -129,6 +129,7 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
         (["train", "{broken}"], r"error: .*broken\.yaml is not valid YAML"),
         (["train", "{empty}"], r"error: .*empty is a folder; name a recipe file in it"),
         (["eval", "{recipe}"], r"neuroada eval: error: No adapter in .*: train it first"),
+        (["score", "{recipe}", "--protocol", "paper", "--out", "{empty}/x.jsonl"], r"r\.yaml:2 is not a JSON line"),
     ],
     ids=[
         "missing recipe",
@@ -141,6 +142,7 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
         "broken YAML",
         "a folder",
         "eval before train",
+        "not predictions",
     ],
 )
 def test_what_the_user_named_wrong_ends_in_one_message_not_a_traceback(tiny_llama_dir, tmp_path, arguments, message):

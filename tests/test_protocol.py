@@ -510,7 +510,7 @@ def test_score_rescores_predictions_under_either_protocol(tmp_path, capsys):
 def test_score_names_a_line_without_a_required_key(tmp_path):
     predictions = tmp_path / "bad.jsonl"
     predictions.write_text(json.dumps({"task": "boolq", "response": "true", "answer": "true"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1 has no prompt"):
+    with pytest.raises(SystemExit, match=r"neuroada score: error: .*bad\.jsonl:1 has no prompt"):
         main(["score", str(predictions), "--protocol", "paper", "--out", str(tmp_path / "out.jsonl")])
 
 

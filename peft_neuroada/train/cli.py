@@ -83,10 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_training_extra()
     # Imported late so `neuroada --help` answers at once, also without the training extra.
     from .recipes import RecipeError
+    from .scoring import PredictionsError
 
     try:
         return _run(args)
-    except (RecipeError, FileNotFoundError) as error:  # what the user named is wrong: the message says what to do
+    except (RecipeError, PredictionsError, FileNotFoundError) as error:  # what the user named is wrong: say what
         raise SystemExit(f"neuroada {args.command}: error: {error}") from None
 
 

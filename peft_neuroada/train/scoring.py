@@ -16,18 +16,30 @@ from .protocols import get_protocol
 REQUIRED_KEYS = ("task", "prompt", "response", "answer")
 
 
+class PredictionsError(ValueError):
+    """A predictions file is not what `neuroada score` reads: the command prints the message alone."""
+
+
 def read_predictions(paths: list[Path]) -> list[dict]:
-    """Every prediction of the JSON-lines files, in order; a line without the required keys is an error."""
+    """Every prediction of the JSON-lines files, in order; a line that is not a JSON object with the required keys is
+    an error naming the file and line."""
     records = []
     for path in paths:
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
-                missing = [key for key in REQUIRED_KEYS if key not in record]
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    raise PredictionsError(
+                        f"{path}:{number} is not a JSON line; score reads the predictions_TASK.jsonl files of a run."
+                    ) from None
+                missing = [key for key in REQUIRED_KEYS if not isinstance(record, dict) or key not in record]
                 if missing:
-                    raise ValueError(f"{path}:{number} has no {', '.join(missing)}; each line needs {REQUIRED_KEYS}.")
+                    raise PredictionsError(
+                        f"{path}:{number} has no {', '.join(missing)}; each line needs {REQUIRED_KEYS}."
+                    )
                 records.append(record)
     return records
 
