@@ -137,3 +137,19 @@ def test_neuron_fraction_tunes_as_many_neurons_as_the_official_ablation(d_out, f
     rows = select_neurons(d_out, fraction, torch.Generator().manual_seed(0))
     assert rows.numel() == d_out - int((1 - fraction) * d_out)
     assert rows.unique().numel() == rows.numel() and 0 <= rows.min() and rows.max() < d_out
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_magnitude_selection_takes_torch_topk_magnitudes_and_breaks_ties_toward_lower_columns(k):
+    """The official code's `torch.topk` on bf16 weights orders equal |w| as its kernel happens to; this selection
+    takes the same magnitudes and, among equal ones at the k-th place, the lower columns."""
+    weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    magnitudes = weight.abs().float()
+    ours = select_inputs(weight, k, "magnitude").long()
+    reference = weight.abs().topk(k, dim=1).indices
+    assert torch.equal(magnitudes.gather(1, ours).sort(1).values, magnitudes.gather(1, reference).sort(1).values)
+    kth = magnitudes.gather(1, ours).min(dim=1, keepdim=True).values
+    for row in range(weight.shape[0]):
+        tied = (magnitudes[row] == kth[row]).nonzero().flatten()
+        needed = k - int((magnitudes[row] > kth[row]).sum())
+        assert set(tied[:needed].tolist()) <= set(ours[row].tolist()), row
