@@ -164,11 +164,14 @@ def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
 
     api.create_commit.side_effect = create_commit
     no_remote_card = mock.patch.object(ModelCard, "load", side_effect=EntryNotFoundError("new repo"))
+    model.peft_config["default"].base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # as README says
     with mock.patch("transformers.utils.hub.hf_api", return_value=api), no_remote_card:
         model.push_to_hub("me/neuroada-adapter")
     api.create_repo.assert_called_once()
     assert set(uploaded) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
-    assert json.loads(uploaded["adapter_config.json"])["peft_type"] == "NEUROADA"
+    config = json.loads(uploaded["adapter_config.json"])
+    assert config["peft_type"] == "NEUROADA"
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     save_file_path = tmp_path / "pushed.safetensors"
     save_file_path.write_bytes(uploaded["adapter_model.safetensors"])
     assert load_file(save_file_path).keys() == get_peft_model_state_dict(model).keys()
