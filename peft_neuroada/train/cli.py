@@ -81,7 +81,7 @@ def require_training_extra() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     require_training_extra()
-    # Imported late so `neuroada --help` answers at once, also without the training extra.
+    # Imported late so `neuroada --help` works without the training extra (it still waits for peft to import).
     from .recipes import RecipeError
     from .scoring import PredictionsError
 
