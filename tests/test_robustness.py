@@ -55,8 +55,9 @@ def test_invalid_config_fields_are_refused_by_name(saved_adapter, field, value, 
         PeftModel.from_pretrained(tiny_llama(), adapter_dir)
 
 
-@pytest.mark.parametrize("saved_dtype", [torch.int32, torch.int64])
-def test_n_by_k_indices_saved_with_a_wider_dtype_load_like_compact_ones(saved_adapter, token_batch, saved_dtype):
+@pytest.mark.parametrize("saved_dtype", [torch.int16, torch.int32, torch.int64])
+def test_n_by_k_indices_in_any_integer_dtype_load_like_the_packed_ones(saved_adapter, token_batch, saved_dtype):
+    """(n, k) int16 columns are the layout of adapters saved before the columns were saved as held."""
     model, adapter_dir = saved_adapter
     weights = adapter_dir / "adapter_model.safetensors"
     tensors = load_file(weights)

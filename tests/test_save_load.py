@@ -197,18 +197,6 @@ def test_columns_are_int16_pairs_in_int32_buffers_in_memory_and_on_disk(tmp_path
         assert torch.equal(cols, named_neuroada_layers(model)[name].placement("default").cols), name
 
 
-def test_adapters_saved_with_n_by_k_columns_still_load(tmp_path, token_batch):
-    """The layout of adapters saved before the columns were saved as held: (n, k) int16."""
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
-    model.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "adapter_model.safetensors")
-    layers = [key.removesuffix(".neuroada_delta") for key in tensors if key.endswith(".neuroada_delta")]
-    unpacked = {f"{layer}.neuroada_indices": saved_cols(tensors, layer).clone() for layer in layers}
-    save_file(tensors | unpacked, tmp_path / "adapter_model.safetensors")
-    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
-    assert torch.equal(logits(reloaded, token_batch), logits(model, token_batch))
-
-
 def gradient_selected_adapter(base: nn.Module, tokens: torch.Tensor):
     """An adapter whose columns a fresh magnitude selection would not pick, with trained-looking deltas."""
     model = get_peft_model(base, NeuroAdaConfig(k=2, selection="gradient"))
