@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, select_by_gradient
 from tests.conftest import (
     TINY_AND_REAL,
     hidden,
@@ -293,6 +293,50 @@ def test_transformers_trainer_trains_a_neuroada_model(tmp_path):
     assert losses[-1] < losses[0]
     trainer.save_model(str(tmp_path / "final"))
     assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+
+
+def _trainer(model, output_dir, examples) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        save_steps=2,
+        learning_rate=5e-2,
+        report_to=[],
+        use_cpu=True,
+    )
+    return Trainer(model=model, args=args, train_dataset=examples)
+
+
+def test_trainer_resumed_from_a_checkpoint_continues_a_gradient_selected_run_exactly(tmp_path):
+    # The run's inputs come from select_by_gradient; the model it resumes in selected its own by magnitude. The
+    # checkpoint's columns, deltas and optimizer state carry the run on bit-exactly.
+    torch.manual_seed(0)
+    examples = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 10))]
+
+    def gradient_selected():
+        model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, selection="gradient"))
+        select_by_gradient(
+            model, [{"input_ids": ids[None], "labels": ids[None]} for ids in torch.randint(0, 128, (4, 10))]
+        )
+        return model
+
+    torch.manual_seed(1)
+    uninterrupted = gradient_selected()
+    _trainer(uninterrupted, tmp_path / "uninterrupted", examples).train()
+    torch.manual_seed(1)
+    _trainer(gradient_selected(), tmp_path / "run", examples).train()
+
+    resumed = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2))
+    fresh_columns = neuroada_layers(resumed)[0].placement("default").cols.clone()
+    _trainer(resumed, tmp_path / "resumed", examples).train(resume_from_checkpoint=str(tmp_path / "run/checkpoint-2"))
+
+    assert not torch.equal(neuroada_layers(resumed)[0].placement("default").cols, fresh_columns)
+    expected = {n: t for n, t in uninterrupted.state_dict().items() if "neuroada_" in n}
+    actual = {n: t for n, t in resumed.state_dict().items() if "neuroada_" in n}
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
 
 
 def test_adapter_layers_are_plain_nn_modules_with_a_readable_repr():

@@ -1,0 +1,81 @@
+"""TRL's trainers take a NeuroAdaConfig as `peft_config`, as they take a LoraConfig (real SmolLM2)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from peft import PeftModel
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.train.models import load_default_model
+from tests.conftest import named_neuroada_layers
+
+
+def frozen_weights(model) -> dict[str, torch.Tensor]:
+    return {n: layer.get_base_layer().weight.detach().clone() for n, layer in named_neuroada_layers(model).items()}
+
+
+def deltas(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for n, p in model.named_parameters() if "neuroada_delta" in n]
+
+
+def run_args(config_class, tmp_path, **overrides):
+    # TRL's defaults: gradient checkpointing and bf16 autocast (accelerate wraps the model's forward in it).
+    settings = {"per_device_train_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3, "report_to": []}
+    return config_class(output_dir=str(tmp_path), use_cpu=True, **(settings | overrides))
+
+
+def test_sft_trainer_trains_only_the_deltas_and_saves_an_adapter_that_reloads(tmp_path):
+    model, tokenizer = load_default_model()
+    turns = [(f"What is {i} + {i}?", f"{2 * i}") for i in range(12)]
+    conversations = [
+        {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+        for question, answer in turns
+    ]
+    trainer = SFTTrainer(
+        model=model,
+        args=run_args(SFTConfig, tmp_path, max_length=48),
+        train_dataset=datasets.Dataset.from_list(conversations),
+        processing_class=tokenizer,
+        peft_config=NeuroAdaConfig(k=1),
+    )
+    assert isinstance(trainer.model, PeftModel) and trainer.model.peft_type == "NEUROADA"
+    before = frozen_weights(trainer.model)
+    trainer.train()
+
+    after = frozen_weights(trainer.model)
+    assert all(torch.equal(after[name], weight) for name, weight in before.items())
+    assert all(delta.abs().sum() > 0 for delta in deltas(trainer.model))
+    trainer.save_model(str(tmp_path / "adapter"))
+    batch = tokenizer(["What is 3 + 3?"], return_tensors="pt")
+    trainer.model.eval()
+    reloaded = PeftModel.from_pretrained(load_default_model()[0], tmp_path / "adapter")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = trainer.model(**batch).logits.float()
+        assert torch.equal(reloaded(**batch).logits.float(), expected)
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["reference-per-step", "reference-precomputed"])
+def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_training(tmp_path, precompute):
+    # With a peft model and no ref_model, DPO's reference is the policy with its adapter disabled: it must stay the
+    # base model, bit for bit, while the deltas train.
+    model, tokenizer = load_default_model()
+    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(8)]
+    trainer = DPOTrainer(
+        model=model,
+        args=run_args(DPOConfig, tmp_path, max_length=32, precompute_ref_log_probs=precompute),
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=tokenizer,
+        peft_config=NeuroAdaConfig(k=1),
+    )
+    assert trainer.ref_model is None
+    batch = next(iter(trainer.get_train_dataloader()))
+    reference_before = trainer.compute_ref_log_probs(trainer.model, batch)
+    trainer.train()
+
+    assert all(delta.abs().sum() > 0 for delta in deltas(trainer.model))
+    reference_after = trainer.compute_ref_log_probs(trainer.model, batch)
+    for before, after in zip(reference_before, reference_after, strict=True):
+        assert torch.equal(before, after)
