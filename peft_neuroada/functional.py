@@ -276,9 +276,10 @@ COLUMN_COMPACTIONS = ColumnCompactions()
 
 
 def _unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted distinct columns in `cols` and `cols` as positions among them (shaped like `cols`)."""
+    """The sorted distinct columns in `cols` and `cols` as positions among them (shaped like `cols`, in its dtype: a
+    kept re-indexing costs no more memory than the index it stands for)."""
     used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
-    return used, local.view(cols.shape)
+    return used, local.to(cols.dtype).view(cols.shape)
 
 
 def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:

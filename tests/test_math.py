@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, functional
 from peft_neuroada.layer import Linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -153,6 +153,14 @@ def test_backward_keeps_only_the_input_columns_the_deltas_read():
     (kept, *_) = saved_for_backward(lambda: layer(x))
     used = layer.placement("default").cols.unique().numel()
     assert kept.shape == (6, used) and used <= 8
+
+
+def test_the_column_positions_kept_for_backward_take_no_more_memory_than_the_layers_index():
+    layer = make_layer(k=1, d_in=64, d_out=8)
+    layer(inputs(layer, tokens=3)).sum().backward()
+    cols = layer.placement("default").cols
+    _, positions_among_used = functional.COLUMN_COMPACTIONS.get(cols)
+    assert positions_among_used.nbytes <= cols.nbytes
 
 
 @pytest.mark.parametrize("change", ["in-place", "new-buffer"])
