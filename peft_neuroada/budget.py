@@ -8,6 +8,7 @@ from transformers.pytorch_utils import Conv1D
 
 from .config import NeuroAdaConfig
 from .model import targeted_modules
+from .selection import tuned_neuron_count
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
@@ -24,8 +25,7 @@ def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int,
 
 def neuroada_parameter_count(shapes: list[tuple[int, int]], k: int, neuron_fraction: float = 1.0) -> int:
     """Trainable parameters of NeuroAda with this k on layers of these shapes."""
-    neurons = [d_out if neuron_fraction >= 1.0 else max(1, round(neuron_fraction * d_out)) for d_out, _ in shapes]
-    return sum(n * min(k, d_in) for n, (_, d_in) in zip(neurons, shapes, strict=True))
+    return sum(tuned_neuron_count(d_out, neuron_fraction) * min(k, d_in) for d_out, d_in in shapes)
 
 
 def lora_parameter_count(shapes: list[tuple[int, int]], rank: int) -> int:

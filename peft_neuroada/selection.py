@@ -75,11 +75,16 @@ def select_inputs(
     return selected
 
 
+def tuned_neuron_count(d_out: int, fraction: float) -> int:
+    """How many of a layer's `d_out` neurons get a bypass: all but int((1 - fraction) * d_out), as the official
+    ablation (`certainCell`) counts the neurons it freezes, and at least one."""
+    return d_out if fraction >= 1.0 else max(1, d_out - int((1 - fraction) * d_out))
+
+
 def select_neurons(d_out: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:
-    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them): all but
-    int((1 - fraction) * d_out), as the official ablation (`certainCell`) counts the neurons it freezes."""
+    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them), drawn uniformly
+    (`tuned_neuron_count` of them)."""
     if fraction >= 1.0:
         return None
-    count = max(1, d_out - int((1 - fraction) * d_out))
-    rows = torch.randperm(d_out, generator=generator)[:count].sort().values
+    rows = torch.randperm(d_out, generator=generator)[: tuned_neuron_count(d_out, fraction)].sort().values
     return rows.to(INDEX_DTYPE)

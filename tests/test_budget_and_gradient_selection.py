@@ -55,9 +55,20 @@ def test_the_density_for_a_k_is_its_share_of_the_weight_entries():
     assert density_for_k(shapes, 2) == pytest.approx((8 * 2 + 32 * 2) / (8 * 16 + 32 * 4))
 
 
-def test_budget_needs_exactly_one_target():
+@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.1234])
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_the_counted_parameters_are_the_ones_the_model_trains(fraction, k):
+    config = NeuroAdaConfig(k=k, neuron_fraction=fraction)
+    model = tiny_llama()
+    shapes = targeted_shapes(model, config)
+    trainable, _ = get_peft_model(model, config).get_nb_trainable_parameters()
+    assert neuroada_parameter_count(shapes, k, fraction) == trainable
+
+
+@pytest.mark.parametrize("budgets", [{}, {"lora_rank": 2, "percent": 1.0}], ids=["none", "both"])
+def test_k_for_budget_needs_exactly_one_budget(budgets):
     with pytest.raises(ValueError, match="exactly one budget"):
-        k_for_budget(tiny_llama(), NeuroAdaConfig())
+        k_for_budget(tiny_llama(), NeuroAdaConfig(), **budgets)
 
 
 def dense_gradients(batches: list[dict]) -> dict[str, torch.Tensor]:
@@ -132,15 +143,20 @@ def test_gradient_selection_refuses_to_select_from_layers_no_gradient_reached():
         select_by_gradient(model, [batch], loss_of=first_block_only)
 
 
-def test_gradient_selection_on_smollm2_moves_indices_and_keeps_deltas_at_zero(smollm2, smollm2_tokenizer):
+def test_gradient_selection_on_smollm2_moves_indices_and_restarts_deltas_at_zero(smollm2, smollm2_tokenizer):
     batch = smollm2_tokenizer(["Question: what is two plus two? Answer: four."], return_tensors="pt")
     with pytest.warns(UserWarning, match="call peft_neuroada.select_by_gradient"):
         model = get_peft_model(smollm2, NeuroAdaConfig(k=1, selection="gradient"))
     layer = model.base_model.model.model.layers[3].mlp.down_proj
     by_magnitude = layer.placement("default").cols.clone()
+    with torch.no_grad():  # deltas some training moved: they belong to the old inputs
+        for name, delta in model.named_parameters():
+            if "neuroada_delta" in name:
+                delta.fill_(0.01)
     select_by_gradient(model, [{**batch, "labels": batch["input_ids"]}])
     assert not torch.equal(layer.placement("default").cols, by_magnitude)
-    assert torch.count_nonzero(layer.neuroada_delta["default"]) == 0
+    deltas = [delta for name, delta in model.named_parameters() if "neuroada_delta" in name]
+    assert all(torch.count_nonzero(delta) == 0 for delta in deltas)
 
 
 @pytest.mark.filterwarnings("ignore:Adapter 'default' uses selection='gradient'")
