@@ -47,7 +47,7 @@ class NeuroAdaConfig(PeftConfig):
 
     Args:
         k: Number of input connections tuned per neuron (the paper uses 1 and 20). A layer with fewer inputs than `k`
-            uses all of its inputs and a warning is emitted (the clipped `k` is visible in the saved index shapes).
+            uses all of its inputs and a warning is emitted (the clipped `k` is visible in its deltas' shape).
         target_modules: Module names or a regex to adapt; `"all-linear"` adapts every linear layer except the output
             head. `None` picks the architecture default (q/k/v/o/gate/up/down for Llama-style models).
         exclude_modules: Module names or a regex to leave untouched.

@@ -145,11 +145,13 @@ class NeuroAdaLayer(BaseTunerLayer):
             )
             k = self.in_features
         self.layer_name = layer_name or self.layer_name
-        generator = layer_generator(config.selection_seed, layer_name)
+        generator = layer_generator(config.selection_seed, self.layer_name)
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
         strategy = "magnitude" if config.selection == "gradient" else config.selection
         if reason := unreadable_weight(self.get_base_layer()):
-            raise ValueError(f"NeuroAda cannot select inputs for layer '{layer_name}': {reason}. {LOAD_WEIGHTS_HINT}")
+            raise ValueError(
+                f"NeuroAda cannot select inputs for layer '{self.layer_name}': {reason}. {LOAD_WEIGHTS_HINT}"
+            )
         quantized = self.quantized()
         if quantized is not None:
             keep_standard_layout(self.get_base_layer())
@@ -326,9 +328,10 @@ class NeuroAdaLayer(BaseTunerLayer):
             self.unmerge_to(merged_before)
             raise
 
-    def check_mergeable(self, name: str = "this layer") -> None:
+    def check_mergeable(self) -> None:
         """Raise before anything changes if the deltas cannot be merged into this layer's base weight (shared, or a
         quantized weight that cannot be quantized again)."""
+        name = self.layer_name or "this layer"
         quantized = self.quantized()
         if quantized is not None and (reason := quantized.merge_refusal()):
             raise ValueError(f"Cannot merge NeuroAda deltas into '{name}': {reason}. {FULL_PRECISION_HINT}")
@@ -351,14 +354,16 @@ class NeuroAdaLayer(BaseTunerLayer):
     def unmerge_to(self, count: int) -> None:
         """Unmerge the most recently merged adapters until `count` remain merged.
 
-        All or nothing: if a write fails, the adapters this call already unmerged are written back as they were.
+        All or nothing on a float weight: if a write fails, the adapters this call already unmerged are written back
+        as they were. On a quantized layer each step puts back one snapshot (the layer as it was before that adapter
+        merged) and only then forgets it, so a failure leaves the layer as `merged_adapters` says.
         """
         if self._quantized_originals:
-            # Each snapshot is the layer as it was before that adapter merged: putting them back undoes it exactly.
             with weight_lock(self.get_base_layer()):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
-                    self._quantized_originals.pop(name).restore()
+                    self._quantized_originals[name].restore()
+                    del self._quantized_originals[name]
                     self.merged_adapters.pop()
             return
         weight = self.weight_out_in()

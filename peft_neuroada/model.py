@@ -189,9 +189,9 @@ class NeuroAdaModel(BaseTuner):
         layers merged before it are unmerged again, so the model is either fully merged or bit-identical."""
         self._check_merge_allowed()
         layers = {name: module for name, module in self.model.named_modules() if isinstance(module, NeuroAdaLayer)}
-        for name, layer in layers.items():
+        for layer in layers.values():
             if any(adapter in layer.neuroada_delta for adapter in adapter_names or layer.active_adapters):
-                layer.check_mergeable(name)
+                layer.check_mergeable()
         merged = []
         try:
             for layer in layers.values():

@@ -40,6 +40,5 @@ def register() -> PeftType:
             config_cls=NeuroAdaConfig,
             model_cls=NeuroAdaModel,
             prefix=PREFIX,
-            is_mixed_compatible=True,
         )
     return peft_type

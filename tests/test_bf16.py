@@ -1,7 +1,8 @@
 """A base model loaded in bfloat16 trains with NeuroAda: float32 deltas, finite decreasing loss, frozen weights intact.
 
 Both forward paths matter here: the in-place path adds the float32 deltas into the bf16 weight (rounded to bf16 for
-the matmul) and must write back the exact bf16 originals; the bypass path multiplies in bf16 beside the base output.
+the matmul) and must write back the exact bf16 originals; the direct path adds the sparse products, accumulated in
+float32, into the bf16 base output.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_unmerge_restores_the_entries_the_merge_changed_even_after_the_indices_a
 def test_peft_mixed_model_refuses_neuroada_adapters(two_saved_adapters):
     with pytest.raises(ValueError, match=MIXED_REFUSAL):
         get_peft_model(tiny_llama(), NeuroAdaConfig(k=2), mixed=True)
-    with pytest.raises(ValueError, match=MIXED_REFUSAL):
+    with pytest.raises(ValueError, match="Adapter of type PeftType.NEUROADA is not supported for mixed models"):
         PeftMixedModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
     mixed = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]), mixed=True)
     with pytest.raises(ValueError, match=MIXED_REFUSAL):

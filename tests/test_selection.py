@@ -47,6 +47,15 @@ def test_random_selection_is_reproducible_per_seed_and_layer_and_distinct_per_ro
     assert not torch.equal(first, select_inputs(weight, 5))
 
 
+def test_an_adapter_added_to_a_layer_without_its_name_draws_as_that_layer_does():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, selection="random", neuron_fraction=0.5))
+    first, second = list(named_neuroada_layers(model).values())[:2]
+    for layer in (first, second):
+        layer.update_layer("again", NeuroAdaConfig(k=3, selection="random", neuron_fraction=0.5))
+        assert torch.equal(layer.placement("again").cols, layer.placement("default").cols)
+        assert torch.equal(layer.placement("again").rows, layer.placement("default").rows)
+
+
 def test_neuron_fraction_picks_a_seeded_sorted_subset_of_rows():
     rows = select_neurons(100, 0.25, layer_generator(0, "x"))
     assert rows.numel() == 25 and torch.equal(rows, rows.sort().values)
