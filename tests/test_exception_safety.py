@@ -140,8 +140,9 @@ def test_a_failure_at_any_step_of_unmerge_leaves_the_layer_merged(error):
 def test_a_failing_second_adapter_leaves_the_first_adapters_deltas_out_of_the_weight():
     layer = two_adapter_layer()
     check = weight_unchanged(layer)
-    layer.neuroada_delta["b"] = nn.Parameter(torch.zeros(2, 2))  # bad shape
-    with pytest.raises(RuntimeError), torch.no_grad():
+    # Placed like "a", so the weight is patched with "a" before "b"'s values (on no device) fail to add.
+    layer.neuroada_delta["b"] = nn.Parameter(torch.zeros_like(layer.neuroada_delta["b"], device="meta"))
+    with pytest.raises(RuntimeError, match="device meta"), torch.no_grad():
         layer(torch.randn(4, 12))
     check()
 

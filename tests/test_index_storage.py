@@ -26,7 +26,7 @@ def test_columns_of_a_wider_layer_stay_int32_and_unpacked():
     assert from_buffer(buffer, (1, 2)) is buffer and torch.equal(buffer, cols)
 
 
-def test_saved_indices_use_int16_when_every_column_fits_else_int32():
+def test_columns_are_held_as_int16_when_every_column_fits_else_int32():
     assert index_dtype(32768) == torch.int16
     assert index_dtype(32769) == torch.int32
 

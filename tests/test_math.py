@@ -184,12 +184,17 @@ def test_the_delta_gradient_follows_indices_changed_between_steps(change):
     torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad[positions(layer)])
 
 
-def test_layers_reading_the_same_input_share_it_instead_of_copying_it():
-    first, second = make_layer(k=1, d_in=8, d_out=16), make_layer(k=1, d_in=8, d_out=16)
-    x = torch.randn(4, 8, requires_grad=True)
-    saved = saved_for_backward(lambda: (first(x), second(x)))
-    kept_inputs = [t for t in saved if t.shape == x.shape]
-    assert len(kept_inputs) == 2 and storages(kept_inputs) == storages([x])
+def test_a_layer_reading_an_input_another_layer_keeps_whole_references_it_instead_of_copying_columns():
+    # The first layer reads every column, so it keeps x itself; the second reads at most 2 of 16 columns and would
+    # keep a copy of just those, but x is kept anyway, so a reference costs nothing.
+    reads_all, reads_few = make_layer(k=16, d_in=16, d_out=4), make_layer(k=1, d_in=16, d_out=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    alone = saved_for_backward(lambda: reads_few(x))
+    assert not storages([x]) & storages(alone)
+    saved = saved_for_backward(lambda: (reads_all(x), reads_few(x)))
+    kept_inputs = [t for t in saved if storages([t]) & storages([x])]
+    assert len(kept_inputs) == 2 and all(t.shape == x.shape for t in kept_inputs)
+    assert not [t for t in saved if t.shape[0] == 4 and t.shape[1] < 16]
 
 
 def test_a_frozen_adapter_on_the_inplace_path_keeps_no_input_for_backward():

@@ -67,22 +67,44 @@ def test_installing_changes_nothing_where_peft_internals_have_moved(monkeypatch)
     assert peft.utils.save_and_load.safe_load_file is moved_load
 
 
-def local_imports(module: Path) -> set[str]:
-    """The package's own modules that `module` imports (relative imports)."""
-    names = set()
-    for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            names.add(node.module.split(".")[0] if node.module else "")
-    return names - {""}
+def module_name(path: Path) -> str:
+    """`path`'s dotted name inside the package ("" for the package itself, "kernels" for kernels/__init__.py)."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_the_tuner_modules_import_each_other_without_cycles():
-    graph = {path.stem: local_imports(path) for path in PACKAGE.glob("*.py")}
+def local_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's own modules (among `modules`) that the file at `path` imports: relative imports of any level,
+    `from . import name` of a submodule, and absolute `peft_neuroada.*` imports."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" and name else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            dotted = [alias.name.split(".") for alias in node.names]
+            targets = [parts[1:] for parts in dotted if parts[0] == "peft_neuroada"]
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "peft_neuroada"):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            within = (node.module or "").split(".")[0 if node.level else 1 :]
+            target = [*base, *(part for part in within if part)]
+            submodules = [[*target, alias.name] for alias in node.names]
+            targets = [target, *submodules] if node.module else submodules  # `from . import x`: x, not the package
+        else:
+            continue
+        found |= {".".join(target) for target in targets} & modules
+    return found - {name}
+
+
+def test_the_package_modules_import_each_other_without_cycles_and_the_tuner_never_imports_train():
+    paths = list(PACKAGE.rglob("*.py"))
+    modules = {module_name(path) for path in paths}
+    graph = {module_name(path): local_imports(path, modules) for path in paths}
+    assert {"functional", "kernels", "kernels.cpu"} <= graph["layer"] | graph["functional"] | graph["kernels"]
     visiting, done = set(), set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
         assert name not in visiting, f"import cycle: {' -> '.join((*path, name))}"
-        if name in done or name not in graph:
+        if name in done:
             return
         visiting.add(name)
         for imported in graph[name]:
@@ -92,7 +114,9 @@ def test_the_tuner_modules_import_each_other_without_cycles():
 
     for name in graph:
         visit(name, ())
-    assert "registration" not in set().union(*(graph[m] for m in graph if m != "__init__"))
+    assert "registration" not in set().union(*(graph[m] for m in graph if m != ""))
+    tuner = [name for name in graph if name.split(".")[0] != "train"]
+    assert not [(name, m) for name in tuner for m in graph[name] if m.split(".")[0] == "train"]
 
 
 def start_up_hook_installed() -> bool:

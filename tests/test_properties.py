@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_math import TOLERANCE, dense_reference, make_layer, positions
+from tests.test_math import PATHS, TOLERANCE, dense_reference, make_layer, positions
 
 layers = st.fixed_dictionaries(
     {
@@ -14,7 +14,7 @@ layers = st.fixed_dictionaries(
         "d_out": st.integers(1, 40),
         "k": st.integers(1, 45),
         "dtype": st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-        "path": st.sampled_from(["inplace", "bypass"]),
+        "path": st.sampled_from(PATHS),
         "conv1d": st.booleans(),
         "neuron_fraction": st.sampled_from([1.0, 0.6, 0.2]),
     }
