@@ -27,6 +27,12 @@ TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
     "roberta": ["query", "key", "value", "dense"],
 }
 
+
+def default_targets(model_type: str | None) -> set[str]:
+    """The modules adapted when `target_modules` is None, for a model of this `config.model_type`."""
+    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS))
+
+
 # The one dtype table: the names a config, a recipe or a command line may give for delta storage and model weights.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,4 +142,6 @@ class NeuroAdaConfig(PeftConfig):
         with tempfile.TemporaryDirectory(dir=save_directory, prefix=".config-") as staging:
             super().save_pretrained(staging, **kwargs)
             for name in os.listdir(staging):
+                with open(os.path.join(staging, name), "rb") as written:
+                    os.fsync(written.fileno())  # on disk before the rename makes it the config
                 os.replace(os.path.join(staging, name), os.path.join(save_directory, name))

@@ -284,11 +284,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                     placement = self.placement(name)
                     originals = placed_entries(weight, placement)
                     merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
-                    if safe_merge and not torch.isfinite(merged).all():
-                        raise ValueError(
-                            f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
-                            "so its deltas are broken (check the training loss and learning rate)."
-                        )
+                    _check_finite(name, merged, safe_merge)
                     self._merge_originals[name] = (_owned(placement), originals)
                     self.merged_adapters.append(name)
                     write_placed_(weight, placement, merged)
@@ -315,11 +311,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                     weight = quantized.dense()
                     placement = self.placement(name)
                     merged = placed_entries(weight, placement) + self.neuroada_delta[name].detach().float()
-                    if safe_merge and not torch.isfinite(merged).all():
-                        raise ValueError(
-                            f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, "
-                            "so its deltas are broken (check the training loss and learning rate)."
-                        )
+                    _check_finite(name, merged, safe_merge)
                     write_placed_(weight, placement, merged)
                     self._quantized_originals[name] = quantized.snapshot()
                     self.merged_adapters.append(name)
@@ -385,6 +377,15 @@ class NeuroAdaLayer(BaseTunerLayer):
                     if name not in self.merged_adapters:
                         self.merged_adapters.append(name)
             raise
+
+
+def _check_finite(adapter_name: str, merged: torch.Tensor, safe_merge: bool) -> None:
+    """`safe_merge`: refuse merged entries that are NaN or inf, before anything is written."""
+    if safe_merge and not torch.isfinite(merged).all():
+        raise ValueError(
+            f"Refusing to merge adapter '{adapter_name}': it would put NaN/inf values into the base weight, "
+            "so its deltas are broken (check the training loss and learning rate)."
+        )
 
 
 def _owned(placement: Placement) -> Placement:

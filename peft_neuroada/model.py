@@ -26,10 +26,10 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
 
 from .config import (
-    LLAMA_STYLE_TARGETS,
     PREFIX,
     TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
     NeuroAdaConfig,
+    default_targets,
 )
 from .index_storage import checked_indices, saved_columns, to_buffer
 from .layer import (
@@ -79,8 +79,7 @@ class NeuroAdaModel(BaseTuner):
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         if peft_config.target_modules is None:
-            defaults = self.target_module_mapping.get(model_config.get("model_type"), LLAMA_STYLE_TARGETS)
-            peft_config.target_modules = set(defaults)
+            peft_config.target_modules = default_targets(model_config.get("model_type"))
         return peft_config
 
     def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
@@ -428,10 +427,7 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
     """The modules `config` adapts in `model`, resolving default and "all-linear" targets as injection does."""
     config = copy.deepcopy(config)
     if config.target_modules is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        config.target_modules = set(
-            TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS)
-        )
+        config.target_modules = default_targets(getattr(getattr(model, "config", None), "model_type", None))
     config = _maybe_include_all_linear_layers(config, model)
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
 
