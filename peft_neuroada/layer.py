@@ -26,9 +26,9 @@ from .functional import (
     weight_lock,
     write_placed_,
 )
-from .index_storage import checked_indices, from_buffer, to_buffer
+from .index_storage import checked_indices, from_buffer, saved_columns, to_buffer
 from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
-from .selection import layer_generator, select_inputs, select_neurons
+from .selection import INDEX_DTYPE, layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
@@ -68,6 +68,10 @@ def unreadable_weight(base: nn.Module) -> str | None:
     if base.weight.is_meta:
         return "it is on the meta device (not loaded)"
     return None
+
+
+# What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
+SAVED_TENSORS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
 
 
 class NeuroAdaLayer(BaseTunerLayer):
@@ -206,6 +210,48 @@ class NeuroAdaLayer(BaseTunerLayer):
     def _check_unmerged(self, adapter_name: str) -> None:
         if adapter_name in self.merged_adapters:
             raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+
+    def check_saved_tensors(self, name: str, adapter_name: str, state_dict: dict[str, torch.Tensor]) -> None:
+        """Validate this layer's tensors in `state_dict` (keys `{name}.{attribute}.{adapter_name}`) before any of them
+        loads, and turn saved index tensors (any layout `saved_columns` reads) into this layer's buffers, in place."""
+        index_bounds = {"neuroada_indices": self.in_features, "neuroada_rows": self.out_features}
+        if f"{name}.neuroada_delta.{adapter_name}" in state_dict:
+            for attribute in index_bounds:
+                if adapter_name in getattr(self, attribute) and f"{name}.{attribute}.{adapter_name}" not in state_dict:
+                    raise ValueError(
+                        f"The NeuroAda adapter holds deltas but no {attribute} for layer '{name}': the deltas would "
+                        "land on entries chosen again here, not the trained ones. The file is damaged or incomplete; "
+                        "save the adapter again from the model it was trained in."
+                    )
+        fits = f"this layer ({self.out_features} outputs, {self.in_features} inputs) needs"
+        for attribute in SAVED_TENSORS:
+            key = f"{name}.{attribute}.{adapter_name}"
+            container = getattr(self, attribute)
+            if key not in state_dict or adapter_name not in container:
+                continue
+            saved, expected = state_dict[key], container[adapter_name]
+            if attribute == "neuroada_indices":
+                expected = self.placement(adapter_name).cols
+                try:
+                    saved = saved_columns(saved, tuple(expected.shape))
+                except ValueError as error:
+                    raise ValueError(
+                        f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
+                        f"that {fits} for this config. Load the adapter on the base model it was trained on."
+                    ) from None
+            if saved.shape != expected.shape:
+                raise ValueError(
+                    f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
+                    f"{tuple(saved.shape)}, but {fits} {tuple(expected.shape)} for this config. Load the adapter on "
+                    "the base model it was trained on."
+                )
+            if attribute in index_bounds:
+                checked = checked_indices(name, attribute, saved, index_bounds[attribute]).to(INDEX_DTYPE)
+                state_dict[key] = to_buffer(checked, self.in_features) if attribute == "neuroada_indices" else checked
+
+    def merged_into_quantized_weight(self) -> bool:
+        """Whether adapters are merged into this layer's quantized weight (requantized: its base values are gone)."""
+        return bool(self._quantized_originals)
 
     def check_reselectable(self, adapter_name: str) -> None:
         """Raise if the adapter's inputs cannot be selected again here: it is merged, or its deltas do not train (so

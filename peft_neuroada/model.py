@@ -31,20 +31,18 @@ from .config import (
     NeuroAdaConfig,
     default_targets,
 )
-from .index_storage import checked_indices, saved_columns, to_buffer
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
     MIXED_BATCH,
+    SAVED_TENSORS,
     Linear,
     MixedBatch,
     NeuroAdaLayer,
     unreadable_weight,
 )
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
-from .selection import INDEX_DTYPE
 
-_INDEX_BUFFERS = ("neuroada_indices", "neuroada_rows")
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: their names are part of the
 # module names but not of the state-dict keys (the wrappers' state-dict hooks drop them).
 _WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -92,7 +90,7 @@ class NeuroAdaModel(BaseTuner):
             )
         unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted_modules(model, config):
-            if isinstance(module, NeuroAdaLayer) and module._quantized_originals:
+            if isinstance(module, NeuroAdaLayer) and module.merged_into_quantized_weight():
                 raise ValueError(
                     f"Cannot add a NeuroAda adapter to '{name}' while adapters are merged into its quantized weight: "
                     "its inputs are selected on the base weights, which the merge requantized. Unmerge first "
@@ -419,7 +417,7 @@ class NeuroAdaModel(BaseTuner):
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         for name, module in model.named_modules():
             if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
-                _check_adapter_fits_layer(name, module, adapter_name, remapped)
+                module.check_saved_tensors(name, adapter_name, remapped)
         return remapped
 
 
@@ -500,51 +498,11 @@ def _entries_of_wrapped_layers(
             key_prefix = key_prefix.replace(wrapper, "")
         if key_prefix == name or not isinstance(module, NeuroAdaLayer):
             continue
-        for attribute in ("neuroada_delta", *_INDEX_BUFFERS):
+        for attribute in SAVED_TENSORS:
             key = f"{key_prefix}.{attribute}.{adapter_name}"
             if key in state_dict:
                 entries[key] = state_dict[key]
     return entries
-
-
-def _check_adapter_fits_layer(
-    name: str, layer: NeuroAdaLayer, adapter_name: str, state_dict: dict[str, torch.Tensor]
-) -> None:
-    """Validate a layer's saved tensors before loading them, and turn index tensors into the layer's buffers."""
-    index_bounds = dict(zip(_INDEX_BUFFERS, (layer.in_features, layer.out_features), strict=True))
-    if f"{name}.neuroada_delta.{adapter_name}" in state_dict:
-        for attribute in index_bounds:
-            if adapter_name in getattr(layer, attribute) and f"{name}.{attribute}.{adapter_name}" not in state_dict:
-                raise ValueError(
-                    f"The NeuroAda adapter holds deltas but no {attribute} for layer '{name}': the deltas would "
-                    "land on entries chosen again here, not the trained ones. The file is damaged or incomplete; "
-                    "save the adapter again from the model it was trained in."
-                )
-    for attribute in ("neuroada_delta", *index_bounds):
-        key = f"{name}.{attribute}.{adapter_name}"
-        container = getattr(layer, attribute)
-        if key not in state_dict or adapter_name not in container:
-            continue
-        saved, expected = state_dict[key], container[adapter_name]
-        if attribute == "neuroada_indices":
-            expected = layer.placement(adapter_name).cols
-            try:
-                saved = saved_columns(saved, tuple(expected.shape))
-            except ValueError as error:
-                raise ValueError(
-                    f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
-                    f"that this layer ({layer.out_features} outputs, {layer.in_features} inputs) needs for this "
-                    "config. Load the adapter on the base model it was trained on."
-                ) from None
-        if saved.shape != expected.shape:
-            raise ValueError(
-                f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
-                f"{tuple(saved.shape)}, but this layer ({layer.out_features} outputs, {layer.in_features} inputs) "
-                f"needs {tuple(expected.shape)} for this config. Load the adapter on the base model it was trained on."
-            )
-        if attribute in index_bounds:
-            checked = checked_indices(name, attribute, saved, index_bounds[attribute]).to(INDEX_DTYPE)
-            state_dict[key] = to_buffer(checked, layer.in_features) if attribute == "neuroada_indices" else checked
 
 
 def _refuse_changing_merged_adapters(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_) -> None:
@@ -555,7 +513,7 @@ def _refuse_changing_merged_adapters(model: nn.Module, state_dict: dict[str, tor
         if not isinstance(layer, NeuroAdaLayer):
             continue
         for adapter in layer.merged_adapters:
-            for attribute in ("neuroada_delta", *_INDEX_BUFFERS):
+            for attribute in SAVED_TENSORS:
                 key, container = f"{prefix}{name}.{attribute}.{adapter}", getattr(layer, attribute)
                 if (
                     key in state_dict
