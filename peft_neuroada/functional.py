@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.module as module_hooks
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -55,7 +56,8 @@ _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
 def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
     """Why `F.linear(x, weight, base.bias)` may not stand in for `base(x)`, or None (the direct path's condition).
 
-    It may for a plain `nn.Linear`/`Conv1D` with a frozen weight whose forward nothing observes, with a plain dense
+    It may for a plain `nn.Linear`/`Conv1D` with a frozen weight whose calls nothing observes (no forward or backward
+    hooks on it, none registered for every module: only the base layer's own call would run them), with a plain dense
     floating-point weight in memory, outside `torch.compile` and tracing (those see the base layer's own forward). A
     trained bias (`bias="all"`) is fine: both paths return its gradient.
     """
@@ -71,7 +73,21 @@ def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
         return "the base layer's weight trains"
     if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
         return "the base layer has forward hooks"
+    if base._backward_hooks or base._backward_pre_hooks:
+        return "the base layer has backward hooks"
+    if _global_module_hooks():
+        return "module hooks are registered globally (torch.nn.modules.module.register_module_*_hook)"
     return None
+
+
+def _global_module_hooks() -> bool:
+    """Whether hooks for every module's forward or backward are registered: only the base layer's own call runs them."""
+    return bool(
+        module_hooks._global_forward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or module_hooks._global_backward_pre_hooks
+    )
 
 
 def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
@@ -86,6 +102,8 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
         return reason
     if weight.is_inference():
         return "the weight is an inference tensor"
+    if weight.device.type == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
+        return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
     if shared_with:
         return f"the weight is shared with {', '.join(shared_with)}"
     storage = weight.untyped_storage()

@@ -48,6 +48,15 @@ def hooked(base: nn.Linear) -> nn.Linear:
     return base
 
 
+def backward_hooked(base: nn.Linear) -> nn.Linear:
+    base.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    return base
+
+
+def in_shared_memory(base: nn.Linear) -> nn.Linear:
+    return base.share_memory()  # other processes may read it: no lock of this process covers them
+
+
 # Each situation, what `FrozenLinear.refusal` must say about it (None: the in-place path runs), and the path taken.
 SITUATIONS = {
     "plain": (plain, None, "in place"),
@@ -56,6 +65,8 @@ SITUATIONS = {
     "trainable-weight": (trainable_weight, "the base layer's weight trains", "general"),
     "trainable-bias": (trainable_bias, None, "in place"),
     "forward-hook": (hooked, "forward hooks", "general"),
+    "backward-hook": (backward_hooked, "backward hooks", "general"),
+    "shared-memory": (in_shared_memory, "shared memory", "direct"),
 }
 
 
@@ -95,6 +106,28 @@ def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(s
     assert torch.equal(weight.detach(), before)
     if refusal is not None:
         assert weight._version == version  # never written, not even restored
+
+
+HOOKS = {
+    "forward-pre": lambda count: nn.modules.module.register_module_forward_pre_hook(lambda m, args: count(m)),
+    "forward": lambda count: nn.modules.module.register_module_forward_hook(lambda m, args, out: count(m)),
+    "full-backward": lambda count: nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: count(m)),
+}
+
+
+@pytest.mark.parametrize("register", HOOKS.values(), ids=HOOKS.keys())
+def test_hooks_registered_for_every_module_see_the_base_layer_called_as_under_lora(register):
+    layer = make_layer(plain)
+    base, calls = layer.get_base_layer(), []
+    handle = register(lambda module: calls.append(module is base))
+    try:
+        x = torch.randn(2, 5, 12, requires_grad=True)
+        out = layer(x)
+        out.sum().backward()
+    finally:
+        handle.remove()
+    assert calls.count(True) == 1
+    torch.testing.assert_close(out, dense_reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_trainable_base_weight_gets_its_dense_gradient():
