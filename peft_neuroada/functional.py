@@ -81,7 +81,7 @@ def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
 
 
 def _global_module_hooks() -> bool:
-    """Whether hooks for every module's forward or backward are registered: only the base layer's own call runs them."""
+    """Whether hooks on every module's forward or backward exist: only the base layer's own call runs them."""
     return bool(
         module_hooks._global_forward_hooks
         or module_hooks._global_forward_pre_hooks
