@@ -93,8 +93,8 @@ def _global_module_hooks() -> bool:
 def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
     """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None.
 
-    Beyond `linear_refusal`, the weight must be writable and this layer's alone: not an inference tensor (read-only
-    outside inference mode), not shared with other modules (they could read the patched entries from another thread;
+    Beyond `linear_refusal`, the weight must be writable and this layer's alone, and the matmul must run in its dtype
+    (not autocast to a narrower one): not an inference tensor (read-only outside inference mode), not shared with other modules (they could read the patched entries from another thread;
     `shared_with` names them as the model found them when adapters were added or before a merge), and owning its whole
     storage (not a view into a larger buffer such as an FSDP1 flat parameter).
     """
@@ -102,6 +102,11 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
         return reason
     if weight.is_inference():
         return "the weight is an inference tensor"
+    device = weight.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device).itemsize < weight.element_size():
+        # The matmul would see W + delta rounded to the autocast dtype, where a delta under half a step of its (the
+        # row's largest) weight vanishes; beside the matmul, the bypass counts it as LoRA's product would count.
+        return f"autocast runs the matmul in {torch.get_autocast_dtype(device)}"
     if weight.device.type == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
         return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
     if shared_with:

@@ -23,7 +23,13 @@ def deltas(model) -> list[torch.Tensor]:
 
 def run_args(config_class, tmp_path, **overrides):
     # TRL's defaults: gradient checkpointing and bf16 autocast (accelerate wraps the model's forward in it).
-    settings = {"per_device_train_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3, "report_to": []}
+    settings = {
+        "per_device_train_batch_size": 4,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "report_to": [],
+        "logging_steps": 1,
+    }
     return config_class(output_dir=str(tmp_path), use_cpu=True, **(settings | overrides))
 
 
@@ -62,10 +68,10 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
     # With a peft model and no ref_model, DPO's reference is the policy with its adapter disabled: it must stay the
     # base model, bit for bit, while the deltas train.
     model, tokenizer = load_default_model()
-    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(8)]
+    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(16)]
     trainer = DPOTrainer(
         model=model,
-        args=run_args(DPOConfig, tmp_path, max_length=32, precompute_ref_log_probs=precompute),
+        args=run_args(DPOConfig, tmp_path, max_length=32, precompute_ref_log_probs=precompute, learning_rate=1e-6),
         train_dataset=datasets.Dataset.from_list(pairs),
         processing_class=tokenizer,
         peft_config=NeuroAdaConfig(k=1),
@@ -79,3 +85,7 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
     reference_after = trainer.compute_ref_log_probs(trainer.model, batch)
     for before, after in zip(reference_before, reference_after, strict=True):
         assert torch.equal(before, after)
+    # At DPO's default learning rate (1e-6) the deltas stay far below a bf16 step of their weights, yet under TRL's
+    # bf16 autocast the policy moves away from its reference once it has been updated.
+    logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
+    assert any(entry["rewards/chosen"] != 0 or entry["rewards/rejected"] != 0 for entry in logged[1:]), logged
