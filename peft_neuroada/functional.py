@@ -94,9 +94,10 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
     """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None.
 
     Beyond `linear_refusal`, the weight must be writable and this layer's alone, and the matmul must run in its dtype
-    (not autocast to a narrower one): not an inference tensor (read-only outside inference mode), not shared with other modules (they could read the patched entries from another thread;
-    `shared_with` names them as the model found them when adapters were added or before a merge), and owning its whole
-    storage (not a view into a larger buffer such as an FSDP1 flat parameter).
+    (not autocast to a narrower one): not an inference tensor (read-only outside inference mode), not in shared
+    memory, not shared with other modules (they could read the patched entries from another thread; `shared_with`
+    names them as the model found them when adapters were added or before a merge), and owning its whole storage (not
+    a view into a larger buffer such as an FSDP1 flat parameter).
     """
     if reason := linear_refusal(base, weight):
         return reason

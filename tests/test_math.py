@@ -209,7 +209,7 @@ def test_a_frozen_adapter_on_the_inplace_path_keeps_no_input_for_backward():
 @pytest.mark.parametrize("path", PATHS)
 def test_under_bf16_autocast_a_delta_below_a_bf16_step_of_its_weight_still_counts(path):
     # W = [1, 0.5] and x = [1, -2]: the base output is 0, the delta (0.001, under half of bf16's 2^-7 step at 1.0)
-    # sits on the largest |w|. The additive formula gives 0.001; adding it into the weight before a bf16 matmul gives 0.
+    # sits on the largest |w|. The additive formula gives 0.001; added into the weight before a bf16 matmul, 0.
     base = nn.Linear(2, 1, bias=False).requires_grad_(False)
     base.weight.copy_(torch.tensor([[1.0, 0.5]]))
     if path == "general":
