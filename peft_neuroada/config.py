@@ -136,6 +136,20 @@ class NeuroAdaConfig(PeftConfig):
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
 
+    @property
+    def trainable_token_indices(self) -> None:
+        """LoRA's option for training single token embeddings, which NeuroAda does not have (always None). Tools that
+        read it on any peft config (TRL, when a chat template adds tokens) get None; setting it says what to do."""
+        return None
+
+    @trainable_token_indices.setter
+    def trainable_token_indices(self, value: object) -> None:
+        raise ValueError(
+            f"NeuroAda has no trainable_token_indices (asked for {value!r}): it is a LoRA option in peft. Train the "
+            'embeddings through modules_to_save (e.g. NeuroAdaConfig(modules_to_save=["embed_tokens", "lm_head"])), '
+            "after adding the new tokens to the tokenizer and resizing the model's embeddings yourself."
+        )
+
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write adapter_config.json atomically: an interrupted save leaves the previous config readable."""
         os.makedirs(save_directory, exist_ok=True)

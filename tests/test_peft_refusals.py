@@ -134,6 +134,10 @@ def test_instead_of_mixing_merge_neuroada_then_add_another_method(two_saved_adap
 def test_trainable_token_indices_is_loras_alone_and_the_embedding_trains_through_modules_to_save():
     with pytest.raises(TypeError, match="trainable_token_indices"):
         NeuroAdaConfig(k=2, trainable_token_indices=[3, 5])
+    config = NeuroAdaConfig(k=2)
+    assert config.trainable_token_indices is None  # what tools reading it on any peft config find
+    with pytest.raises(ValueError, match="modules_to_save"):
+        config.trainable_token_indices = {"embed_tokens": [3, 5]}  # what TRL does when a chat template adds tokens
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, modules_to_save=["embed_tokens"]))
     embedding = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
     before = embedding.detach().clone()

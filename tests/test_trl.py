@@ -5,7 +5,7 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from peft_neuroada import NeuroAdaConfig
@@ -89,3 +89,24 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
     # bf16 autocast the policy moves away from its reference once it has been updated.
     logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
     assert any(entry["rewards/chosen"] != 0 or entry["rewards/rejected"] != 0 for entry in logged[1:]), logged
+
+
+def test_continuing_a_trained_adapter_with_dpo_its_reference_is_that_adapter_once_copied_as_documented(tmp_path):
+    # Given a PeftModel and no peft_config, TRL adds a "ref" adapter and copies parameters named ".default.", a LoRA
+    # naming NeuroAda's deltas do not follow: "ref" would stay zero (the base model). The README's two lines copy it.
+    trained, tokenizer = load_default_model()
+    get_peft_model(trained, NeuroAdaConfig(k=1, init_weights=False)).save_pretrained(tmp_path / "sft")
+    model = PeftModel.from_pretrained(load_default_model()[0], tmp_path / "sft", is_trainable=True)
+    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(4)]
+    trainer = DPOTrainer(
+        model=model,
+        args=run_args(DPOConfig, tmp_path / "dpo", max_length=32, max_steps=1),
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=tokenizer,
+    )
+    trainer.model.delete_adapter("ref")
+    trainer.model.add_weighted_adapter(["default"], [1.0], "ref")
+    trainer.train()
+
+    (first,) = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
+    assert first["rewards/chosen"] == first["rewards/rejected"] == 0  # before any update, policy == reference
