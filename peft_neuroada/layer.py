@@ -466,15 +466,15 @@ class Linear(nn.Module, NeuroAdaLayer):
         self.update_layer(adapter_name, config, layer_name=layer_name)
 
     def forward(self, x: torch.Tensor, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any):
+        if self.disable_adapters:  # before adapter_names, as LoRA: `disable_adapter()` serves the base model
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
         # Mixed batches are eager-only: dynamo cannot trace a context variable.
         if adapter_names is None and not torch.compiler.is_compiling() and (mixed := MIXED_BATCH.get()) is not None:
             adapter_names = mixed.for_layer(self)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
             return self.base_layer(x, *args, **kwargs)

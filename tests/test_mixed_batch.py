@@ -81,6 +81,17 @@ def test_a_modules_to_save_head_follows_the_rows_adapter(minilm_classifier, mini
     torch.testing.assert_close(mixed[1], base[1], rtol=1e-5, atol=1e-5)
 
 
+def test_inside_disable_adapter_adapter_names_serve_the_base_model_as_under_lora():
+    model = with_two_adapters(tiny_llama())
+    tokens = torch.randint(0, 128, (4, 10))
+    with torch.no_grad(), model.disable_adapter():
+        base = model(tokens).logits
+        assert torch.equal(model(tokens, adapter_names=ROWS).logits, base)
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj  # a layer called directly, too
+        x = torch.randn(4, 3, layer.in_features)
+        assert torch.equal(layer(x, adapter_names=ROWS), layer.get_base_layer()(x))
+
+
 def test_unknown_adapter_names_are_refused():
     model = with_two_adapters(tiny_llama())
     with pytest.raises(ValueError, match="Trying to infer with non-existing adapter"):
