@@ -108,7 +108,7 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
         # The matmul would see W + delta rounded to the autocast dtype, where a delta under half a step of its (the
         # row's largest) weight vanishes; beside the matmul, the bypass counts it as LoRA's product would count.
         return f"autocast runs the matmul in {torch.get_autocast_dtype(device)}"
-    if weight.device.type == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
+    if device == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
         return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
     if shared_with:
         return f"the weight is shared with {', '.join(shared_with)}"

@@ -185,13 +185,13 @@ class NeuroAdaModel(BaseTuner):
         """peft's `merge_adapter`, all or nothing: every layer is checked first, and if a layer still fails, the
         layers merged before it are unmerged again, so the model is either fully merged or bit-identical."""
         self._check_merge_allowed()
-        layers = {name: module for name, module in self.model.named_modules() if isinstance(module, NeuroAdaLayer)}
-        for layer in layers.values():
+        layers = [module for module in self.model.modules() if isinstance(module, NeuroAdaLayer)]
+        for layer in layers:
             if any(adapter in layer.neuroada_delta for adapter in adapter_names or layer.active_adapters):
                 layer.check_mergeable()
         merged = []
         try:
-            for layer in layers.values():
+            for layer in layers:
                 with onload_layer(layer):
                     before = len(layer.merged_adapters)
                     layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
