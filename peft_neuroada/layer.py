@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -58,6 +60,30 @@ class MixedBatch(NamedTuple):
 
 
 MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
+# Calls serving a mixed batch right now, in any thread. torch.compile cannot trace `ContextVar.get` (a graph break,
+# an error under fullgraph), but reads and guards on this plain global: layers look at the context variable only
+# while some mixed batch is served, so graphs without one never meet it, and compiled mixed batches are served.
+_mixed_batches_in_progress = [0]
+_mixed_batches_lock = threading.Lock()
+
+
+@contextmanager
+def serving(mixed: MixedBatch) -> Iterator[None]:
+    """Make `mixed` the batch this thread's NeuroAda layers serve, for the duration of the block."""
+    with _mixed_batches_lock:
+        _mixed_batches_in_progress[0] += 1
+    token = MIXED_BATCH.set(mixed)
+    try:
+        yield
+    finally:
+        MIXED_BATCH.reset(token)
+        with _mixed_batches_lock:
+            _mixed_batches_in_progress[0] -= 1
+
+
+def served_mixed_batch() -> MixedBatch | None:
+    """The mixed batch of the current call, if any (see `serving`)."""
+    return MIXED_BATCH.get() if _mixed_batches_in_progress[0] else None
 
 
 def unreadable_weight(base: nn.Module) -> str | None:
@@ -470,8 +496,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
-        # Mixed batches are eager-only: dynamo cannot trace a context variable.
-        if adapter_names is None and not torch.compiler.is_compiling() and (mixed := MIXED_BATCH.get()) is not None:
+        if adapter_names is None and (mixed := served_mixed_batch()) is not None:
             adapter_names = mixed.for_layer(self)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)

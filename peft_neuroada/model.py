@@ -34,11 +34,11 @@ from .config import (
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
-    MIXED_BATCH,
     SAVED_TENSORS,
     Linear,
     MixedBatch,
     NeuroAdaLayer,
+    serving,
     unreadable_weight,
 )
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
@@ -382,11 +382,10 @@ class NeuroAdaModel(BaseTuner):
             for module in self.model.modules()
             if isinstance(module, AuxiliaryTrainingWrapper)
         ]
-        token = MIXED_BATCH.set(mixed)
         try:
-            yield
+            with serving(mixed):
+                yield
         finally:
-            MIXED_BATCH.reset(token)
             for hook in hooks:
                 hook.remove()
 

@@ -58,6 +58,25 @@ def test_compiled_training_step_matches_eager_without_graph_breaks(k, token_batc
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
+def test_a_compiled_model_serves_each_rows_adapter_and_forgets_the_names_after_the_call():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    model.add_adapter("other", NeuroAdaConfig(k=1, init_weights=False))
+    model.eval()
+    tokens = torch.randint(0, 128, (3, 8))
+    with torch.no_grad():
+        alone = {name: model(tokens).logits for name in ["default"]}
+        model.set_adapter("other")
+        alone["other"] = model(tokens).logits
+        model.set_adapter("default")
+        with model.disable_adapter():
+            alone["__base__"] = model(tokens).logits
+        compiled = torch.compile(model, backend="aot_eager")
+        for names in (["other", "__base__", "default"], None, ["__base__", "other", "other"], None):
+            out = compiled(tokens, adapter_names=names).logits if names else compiled(tokens).logits
+            expected = torch.stack([alone[name][row] for row, name in enumerate(names or ["default"] * 3)])
+            torch.testing.assert_close(out, expected, msg=str(names))
+
+
 def test_compiled_real_minilm_layers_match_eager_forward_and_backward(minilm_classifier):
     """Pretrained BERT, each encoder layer compiled with aot_eager (regional compilation: one graph, reused by all
     six layers; enable_input_require_grads keeps the first layer from recompiling for an input without grad)."""
