@@ -154,3 +154,13 @@ def test_inductor_compiled_backward_matches_eager():
     assert process.returncode == 0, output[-3000:]
     input_error, delta_error = map(float, output.split()[-2:])
     assert input_error < 1e-4 and delta_error < 1e-4
+
+
+def test_torch_func_transforms_need_no_grad_and_say_so_otherwise():
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False)).eval()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 4, layer.in_features)
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.vmap(layer)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(layer)(x), layer(x))
