@@ -104,10 +104,12 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
     if weight.is_inference():
         return "the weight is an inference tensor"
     device = weight.device.type
-    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device).itemsize < weight.element_size():
+    if torch.is_autocast_enabled(device) and (narrower := torch.get_autocast_dtype(device)).itemsize < (
+        weight.element_size()
+    ):
         # The matmul would see W + delta rounded to the autocast dtype, where a delta under half a step of its (the
         # row's largest) weight vanishes; beside the matmul, the bypass counts it as LoRA's product would count.
-        return f"autocast runs the matmul in {torch.get_autocast_dtype(device)}"
+        return f"autocast runs the matmul in {narrower}"
     if device == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
         return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
     if shared_with:

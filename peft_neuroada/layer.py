@@ -59,7 +59,7 @@ class MixedBatch(NamedTuple):
         return self.encoder_names if id(layer) in self.encoder_layers else self.names
 
 
-MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
+_MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
 # Calls serving a mixed batch right now, in any thread. torch.compile cannot trace `ContextVar.get` (a graph break,
 # an error under fullgraph), but reads and guards on this plain global: layers look at the context variable only
 # while some mixed batch is served, so graphs without one never meet it, and compiled mixed batches are served.
@@ -72,18 +72,18 @@ def serving(mixed: MixedBatch) -> Iterator[None]:
     """Make `mixed` the batch this thread's NeuroAda layers serve, for the duration of the block."""
     with _mixed_batches_lock:
         _mixed_batches_in_progress[0] += 1
-    token = MIXED_BATCH.set(mixed)
+    token = _MIXED_BATCH.set(mixed)
     try:
         yield
     finally:
-        MIXED_BATCH.reset(token)
+        _MIXED_BATCH.reset(token)
         with _mixed_batches_lock:
             _mixed_batches_in_progress[0] -= 1
 
 
 def served_mixed_batch() -> MixedBatch | None:
     """The mixed batch of the current call, if any (see `serving`)."""
-    return MIXED_BATCH.get() if _mixed_batches_in_progress[0] else None
+    return _MIXED_BATCH.get() if _mixed_batches_in_progress[0] else None
 
 
 def unreadable_weight(base: nn.Module) -> str | None:

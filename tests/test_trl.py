@@ -33,6 +33,12 @@ def run_args(config_class, tmp_path, **overrides):
     return config_class(output_dir=str(tmp_path), use_cpu=True, **(settings | overrides))
 
 
+def preference_pairs(count: int) -> datasets.Dataset:
+    return datasets.Dataset.from_list(
+        [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(count)]
+    )
+
+
 def test_sft_trainer_trains_only_the_deltas_and_saves_an_adapter_that_reloads(tmp_path):
     model, tokenizer = load_default_model()
     turns = [(f"What is {i} + {i}?", f"{2 * i}") for i in range(12)]
@@ -68,11 +74,10 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
     # With a peft model and no ref_model, DPO's reference is the policy with its adapter disabled: it must stay the
     # base model, bit for bit, while the deltas train.
     model, tokenizer = load_default_model()
-    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(16)]
     trainer = DPOTrainer(
         model=model,
         args=run_args(DPOConfig, tmp_path, max_length=32, precompute_ref_log_probs=precompute, learning_rate=1e-6),
-        train_dataset=datasets.Dataset.from_list(pairs),
+        train_dataset=preference_pairs(16),
         processing_class=tokenizer,
         peft_config=NeuroAdaConfig(k=1),
     )
@@ -97,11 +102,10 @@ def test_continuing_a_trained_adapter_with_dpo_its_reference_is_that_adapter_onc
     trained, tokenizer = load_default_model()
     get_peft_model(trained, NeuroAdaConfig(k=1, init_weights=False)).save_pretrained(tmp_path / "sft")
     model = PeftModel.from_pretrained(load_default_model()[0], tmp_path / "sft", is_trainable=True)
-    pairs = [{"prompt": f"What is {i} + {i}?", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(4)]
     trainer = DPOTrainer(
         model=model,
         args=run_args(DPOConfig, tmp_path / "dpo", max_length=32, max_steps=1),
-        train_dataset=datasets.Dataset.from_list(pairs),
+        train_dataset=preference_pairs(4),
         processing_class=tokenizer,
     )
     trainer.model.delete_adapter("ref")
