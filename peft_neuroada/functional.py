@@ -71,7 +71,9 @@ def linear_refusal(base: nn.Module, weight: torch.Tensor) -> str | None:
         return "the weight is not a dense floating-point tensor in memory"
     if weight.requires_grad:
         return "the base layer's weight trains"
-    if base._forward_hooks or base._forward_pre_hooks or hasattr(base, "_hf_hook"):
+    # accelerate's hook is an instance attribute (`module._hf_hook = hook`): a dict lookup, where `hasattr` on a module
+    # that lacks it raises and catches an AttributeError on every call.
+    if base._forward_hooks or base._forward_pre_hooks or "_hf_hook" in vars(base):
         return "the base layer has forward hooks"
     if base._backward_hooks or base._backward_pre_hooks:
         return "the base layer has backward hooks"
@@ -91,16 +93,20 @@ def _global_module_hooks() -> bool:
 
 
 def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
-    """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None.
+    """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None:
+    `linear_refusal`'s reasons, then `write_refusal`'s."""
+    return linear_refusal(base, weight) or write_refusal(weight, shared_with)
 
-    Beyond `linear_refusal`, the weight must be writable and this layer's alone, and the matmul must run in its dtype
-    (not autocast to a narrower one): not an inference tensor (read-only outside inference mode), not in shared
-    memory, not shared with other modules (they could read the patched entries from another thread; `shared_with`
-    names them as the model found them when adapters were added or before a merge), and owning its whole storage (not
-    a view into a larger buffer such as an FSDP1 flat parameter).
+
+def write_refusal(weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
+    """Why a weight that `linear_refusal` lets the direct path read must still not be written, or None.
+
+    The weight must be writable and this layer's alone, and the matmul must run in its dtype (not autocast to a
+    narrower one): not an inference tensor (read-only outside inference mode), not in shared memory, not shared with
+    other modules (they could read the patched entries from another thread; `shared_with` names them as the model
+    found them when adapters were added or before a merge), and owning its whole storage (not a view into a larger
+    buffer such as an FSDP1 flat parameter).
     """
-    if reason := linear_refusal(base, weight):
-        return reason
     if weight.is_inference():
         return "the weight is an inference tensor"
     device = weight.device.type
@@ -110,11 +116,11 @@ def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[
         # The matmul would see W + delta rounded to the autocast dtype, where a delta under half a step of its (the
         # row's largest) weight vanishes; beside the matmul, the bypass counts it as LoRA's product would count.
         return f"autocast runs the matmul in {narrower}"
-    if device == "cpu" and weight.is_shared():  # (CUDA tensors always report shared)
+    storage = weight.untyped_storage()  # (its `is_shared` costs a tenth of the tensor's, which builds a TypedStorage)
+    if device == "cpu" and storage.is_shared():  # (CUDA tensors always report shared)
         return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
     if shared_with:
         return f"the weight is shared with {', '.join(shared_with)}"
-    storage = weight.untyped_storage()
     if weight.storage_offset() != 0 or storage.nbytes() != weight.numel() * weight.element_size():
         return "the weight is a view into a larger buffer"
     return None
@@ -520,10 +526,9 @@ def adapted_linear(
 ) -> torch.Tensor:
     """`W x + b + Σ (P ⊙ Θ) x` over the given adapters, on the first path whose preconditions hold: in place (if
     `inplace` is wanted), direct, general (see the module docstring). Extra arguments go to the base layer."""
-    if inplace and frozen.refusal(*args, **kwargs) is None:
-        return _linear(frozen, x, placements, deltas, inplace=True)
-    if frozen.direct_refusal(*args, **kwargs) is None:
-        return _linear(frozen, x, placements, deltas, inplace=False)
+    if frozen.direct_refusal(*args, **kwargs) is None:  # each precondition is evaluated once per call
+        inplace = inplace and write_refusal(frozen.weight, frozen.shared_with) is None
+        return _linear(frozen, x, placements, deltas, inplace)
     result = frozen.module(x, *args, **kwargs)
     for placement, delta in zip(placements, deltas, strict=True):
         result = result + SparseBypass.apply(x, placement, out_features, delta).to(result.dtype)

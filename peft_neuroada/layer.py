@@ -125,6 +125,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         # Other modules holding this layer's base weight (kept up to date by NeuroAdaModel). The in-place path never
         # writes a shared weight, and merging into one is refused: it would change those modules too.
         self.weight_shared_with: tuple[str, ...] = ()
+        self._frozen_kept: FrozenLinear | None = None  # see `frozen`
         self._disable_adapters = False
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
@@ -159,7 +160,22 @@ class NeuroAdaLayer(BaseTunerLayer):
         return quantized_linear(self.get_base_layer(), self.requantize_with)
 
     def frozen(self) -> FrozenLinear:
-        return FrozenLinear(self.get_base_layer(), self.weight_out_in(), self.weight_shared_with)
+        """The frozen layer as `functional` takes it. Every visit asks for it, so it is kept while the base layer, its
+        weight and `weight_shared_with` are the same objects (checking costs a fifth of remaking it). A Conv1D's
+        (d_out, d_in) view is remade each time: a kept view would not follow a change of the weight's data."""
+        compiling = torch.compiler.is_compiling()  # dynamo would guard on what is kept, and recompile once it is set
+        kept, base = None if compiling else self._frozen_kept, self.base_layer
+        if (
+            kept is not None
+            and kept.module is base
+            and kept.weight is base.weight
+            and kept.shared_with is self.weight_shared_with
+        ):
+            return kept
+        frozen = FrozenLinear(self.get_base_layer(), self.weight_out_in(), self.weight_shared_with)
+        if not compiling:
+            self._frozen_kept = None if self.fan_in_fan_out else frozen
+        return frozen
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
         """Add adapter `adapter_name`: select each neuron's inputs on the frozen weight and create its deltas.

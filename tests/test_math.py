@@ -91,6 +91,40 @@ def test_delta_gradient_is_dense_weight_gradient_at_selected_positions(path, con
     assert layer.get_base_layer().weight.grad is None
 
 
+def replace_weight(layer: Linear) -> None:
+    base = layer.get_base_layer()
+    base.weight = nn.Parameter(torch.randn_like(base.weight), requires_grad=False)
+
+
+def give_weight_new_data(layer: Linear) -> None:
+    weight = layer.get_base_layer().weight
+    weight.data = torch.randn_like(weight)
+
+
+def share_weight(layer: Linear) -> None:
+    layer.weight_shared_with = ("lm_head",)
+
+
+# What the layer is told or given between two calls, and whether the second call may still patch the weight in place.
+CHANGES = {
+    "replaced-weight": (replace_weight, True),
+    "weight-with-new-data": (give_weight_new_data, True),
+    "weight-now-shared": (share_weight, False),
+}
+
+
+@pytest.mark.parametrize("conv1d", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize(("change", "writable"), CHANGES.values(), ids=CHANGES.keys())
+def test_each_call_computes_with_the_base_weight_the_layer_holds_at_that_call(change, writable, conv1d):
+    """A visit's view of the frozen layer is kept from call to call (every visit asks for it), never past a change."""
+    layer = make_layer(conv1d=conv1d)
+    x = inputs(layer).detach()
+    layer(x)
+    change(layer)
+    torch.testing.assert_close(layer(x), dense_reference(layer, x)[0])
+    assert (layer.frozen().refusal() is None) == writable
+
+
 @pytest.mark.parametrize("neuron_fraction", [1.0, 0.5], ids=["all-neurons", "half-neurons"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
