@@ -2,12 +2,12 @@
 
 Three paths compute `W x + b + (P ⊙ Θ) x`, each guarded by the preconditions stated beside it:
 
-* **in place** (`weight_refusal` finds nothing against it): the deltas are added into the k selected entries of each
-  row of the frozen weight for the duration of one matmul, and the saved original entries are written back
-  bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.entry_patch`; by torch's
-  gather/scatter_ otherwise). Forward and input gradient cost exactly one dense matmul each, like a frozen layer, and
-  nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so threads never see
-  or write each other's patched entries.
+* **in place** (neither `linear_refusal` nor `write_refusal` finds anything against it): the deltas are added into
+  the k selected entries of each row of the frozen weight for the duration of one matmul, and the saved original
+  entries are written back bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.entry_patch`;
+  by torch's gather/scatter_ otherwise). Forward and input gradient cost exactly one dense matmul each, like a frozen
+  layer, and nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so
+  threads never see or write each other's patched entries.
 * **direct** (`linear_refusal` finds nothing against it: a plain frozen `nn.Linear`/`Conv1D` weight that merely must
   not be written, e.g. shared, an inference tensor, or `inplace_forward=False`): `F.linear(x, W, b)` with the sparse
   products of `kernels` added into its output and into its input gradient, reading the weight under its lock.
@@ -92,14 +92,9 @@ def _global_module_hooks() -> bool:
     )
 
 
-def weight_refusal(base: nn.Module, weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
-    """Why the in-place path must not write into `weight` (the (d_out, d_in) view of `base`'s weight), or None:
-    `linear_refusal`'s reasons, then `write_refusal`'s."""
-    return linear_refusal(base, weight) or write_refusal(weight, shared_with)
-
-
 def write_refusal(weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str | None:
-    """Why a weight that `linear_refusal` lets the direct path read must still not be written, or None.
+    """Why the in-place path must not write into `weight` (the (d_out, d_in) view of a base layer's weight) that
+    `linear_refusal` lets the direct path read, or None.
 
     The weight must be writable and this layer's alone, and the matmul must run in its dtype (not autocast to a
     narrower one): not an inference tensor (read-only outside inference mode), not in shared memory, not shared with
@@ -484,15 +479,17 @@ class FrozenLinear(NamedTuple):
 
     def refusal(self, *args, **kwargs) -> str | None:
         """Why the in-place path must not run for a call with these extra base-layer arguments, or None."""
-        if args or kwargs:
-            return "the base layer gets extra arguments"
-        return weight_refusal(self.module, self.weight, self.shared_with)
+        return self.direct_refusal(*args, **kwargs) or self.write_refusal()
 
     def direct_refusal(self, *args, **kwargs) -> str | None:
         """Why the direct path must not run for a call with these extra base-layer arguments, or None."""
         if args or kwargs:
             return "the base layer gets extra arguments"
         return linear_refusal(self.module, self.weight)
+
+    def write_refusal(self) -> str | None:
+        """Why a weight the direct path may read must still not be written in place, or None."""
+        return write_refusal(self.weight, self.shared_with)
 
 
 def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: bool) -> torch.Tensor:
@@ -527,7 +524,7 @@ def adapted_linear(
     """`W x + b + Σ (P ⊙ Θ) x` over the given adapters, on the first path whose preconditions hold: in place (if
     `inplace` is wanted), direct, general (see the module docstring). Extra arguments go to the base layer."""
     if frozen.direct_refusal(*args, **kwargs) is None:  # each precondition is evaluated once per call
-        inplace = inplace and write_refusal(frozen.weight, frozen.shared_with) is None
+        inplace = inplace and frozen.write_refusal() is None
         return _linear(frozen, x, placements, deltas, inplace)
     result = frozen.module(x, *args, **kwargs)
     for placement, delta in zip(placements, deltas, strict=True):
