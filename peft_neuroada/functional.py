@@ -114,6 +114,8 @@ def write_refusal(weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str 
     storage = weight.untyped_storage()  # (its `is_shared` costs a tenth of the tensor's, which builds a TypedStorage)
     if device == "cpu" and storage.is_shared():  # (CUDA tensors always report shared)
         return "the weight is in shared memory (other processes may read it; `share_memory()`, torch.multiprocessing)"
+    if device == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured (its replays could overlap other streams' visits)"
     if shared_with:
         return f"the weight is shared with {', '.join(shared_with)}"
     if weight.storage_offset() != 0 or storage.nbytes() != weight.numel() * weight.element_size():
@@ -121,19 +123,51 @@ def write_refusal(weight: torch.Tensor, shared_with: Sequence[str] = ()) -> str 
     return None
 
 
+class WeightLock:
+    """Serialises every visit of the adapter layers to one weight: the threads' (a reentrant lock), and on CUDA also
+    the streams they queue the visits' work on.
+
+    Holding the lock orders only the queueing; a GPU runs what two streams queued concurrently, so a visit queued on
+    another stream than the last one first makes its stream wait for everything queued on that one (a patch and its
+    restore, or a read a patch must not overtake). On one stream, the default one included, that order holds already.
+    While a CUDA graph is captured nothing is ordered: its work runs when the graph is replayed (`write_refusal`
+    keeps the in-place path out of captures).
+    """
+
+    __slots__ = ("_lock", "_stream", "device", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._stream: torch.cuda.Stream | None = None
+        self.device: torch.device | None = None  # the weight's, set by `weight_lock`
+
+    def __enter__(self) -> WeightLock:
+        self._lock.acquire()
+        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            stream, last = torch.cuda.current_stream(self.device), self._stream
+            if last is not None and last != stream:
+                stream.wait_stream(last)
+            self._stream = stream
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._lock.release()
+
+
 # One lock per patchable base layer (its weight belongs to it alone): held across patch, matmul and restore, and by
 # every other read of that weight through the adapter layer, in forward and in backward. Keyed weakly by the module,
 # so copies of a model get their own locks and nothing is kept alive or pickled.
-_WEIGHT_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_WEIGHT_LOCKS: weakref.WeakKeyDictionary[nn.Module, WeightLock] = weakref.WeakKeyDictionary()
 _WEIGHT_LOCKS_GUARD = threading.Lock()
 
 
-def weight_lock(base: nn.Module) -> threading.RLock:
-    """The lock that serialises every visit of the adapter layers to `base`'s weight."""
+def weight_lock(base: nn.Module, device: torch.device) -> WeightLock:
+    """The lock that serialises every visit of the adapter layers to `base`'s weight, which is on `device`."""
     lock = _WEIGHT_LOCKS.get(base)
     if lock is None:
         with _WEIGHT_LOCKS_GUARD:
-            lock = _WEIGHT_LOCKS.setdefault(base, threading.RLock())
+            lock = _WEIGHT_LOCKS.setdefault(base, WeightLock())
+    lock.device = device
     return lock
 
 
@@ -493,7 +527,7 @@ class FrozenLinear(NamedTuple):
 
 
 def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: bool) -> torch.Tensor:
-    lock = weight_lock(frozen.module)
+    lock = weight_lock(frozen.module, frozen.weight.device)
     if inplace:
         function, plain = InplaceMergedLinear, merged_linear
     else:

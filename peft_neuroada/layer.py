@@ -22,6 +22,7 @@ from .config import DTYPES, NeuroAdaConfig
 from .functional import (
     FrozenLinear,
     Placement,
+    WeightLock,
     adapted_linear,
     frozen_output,
     placed_entries,
@@ -345,6 +346,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         write_placed_(dense, self.placement(adapter_name), delta)
         return dense.T if self.fan_in_fan_out else dense
 
+    def _weight_lock(self) -> WeightLock:
+        base = self.get_base_layer()
+        return weight_lock(base, base.weight.device)
+
     def _weight_writes(self, weight: torch.Tensor):
         """Writes into the weight: inference tensors accept them only inside inference mode."""
         return torch.inference_mode() if weight.is_inference() else torch.no_grad()
@@ -367,7 +372,7 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         merged_before = len(self.merged_adapters)
         try:
-            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+            with self._weight_lock(), self._weight_writes(weight):
                 for name in names:
                     placement = self.placement(name)
                     originals = placed_entries(weight, placement)
@@ -387,7 +392,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         """
         merged_before = len(self.merged_adapters)
         try:
-            with weight_lock(self.get_base_layer()), torch.no_grad():
+            with self._weight_lock(), torch.no_grad():
                 for name in names:
                     quantized = self.quantized()  # the layer as the previous adapter left it
                     warnings.warn(
@@ -439,7 +444,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         merged) and only then forgets it, so a failure leaves the layer as `merged_adapters` says.
         """
         if self._quantized_originals:
-            with weight_lock(self.get_base_layer()):
+            with self._weight_lock():
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
                     self._quantized_originals[name].restore()
@@ -449,7 +454,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         weight = self.weight_out_in()
         undone = []
         try:
-            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+            with self._weight_lock(), self._weight_writes(weight):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
                     placement, originals = self._merged_entries(name, weight)
@@ -458,7 +463,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                     del self._merge_originals[name]
                     self.merged_adapters.pop()
         except BaseException:
-            with weight_lock(self.get_base_layer()), self._weight_writes(weight):
+            with self._weight_lock(), self._weight_writes(weight):
                 for name, placement, originals, merged in reversed(undone):
                     write_placed_(weight, placement, merged)
                     self._merge_originals[name] = (placement, originals)
@@ -511,14 +516,14 @@ class Linear(nn.Module, NeuroAdaLayer):
         if self.disable_adapters:  # before adapter_names, as LoRA: `disable_adapter()` serves the base model
             if self.merged:
                 self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
+            return frozen_output(self.frozen(), x, *args, **kwargs)
         if adapter_names is None and (mixed := served_mixed_batch()) is not None:
             adapter_names = mixed.for_layer(self)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
-        if self.merged or not active:
-            return self.base_layer(x, *args, **kwargs)
+        if self.merged or not active:  # (read under the lock: another thread's visit may have the weight patched)
+            return frozen_output(self.frozen(), x, *args, **kwargs)
         return self._adapted(x, active, *args, **kwargs)
 
     def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:

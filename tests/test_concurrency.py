@@ -138,8 +138,10 @@ def test_threaded_inference_on_smollm2_equals_single_threaded(smollm2, smollm2_t
     assert_weights_unchanged(model, before)
 
 
-def test_each_visit_holds_the_weight_lock_from_patch_to_restore(model):
-    """What makes the threads safe: while one visit has a weight patched, another thread cannot enter that layer."""
+@pytest.mark.parametrize("second_reads", ["adapter", "adapters disabled"])
+def test_each_visit_holds_the_weight_lock_from_patch_to_restore(model, second_reads):
+    """What makes the threads safe: while one visit has a weight patched, another thread cannot enter that layer, not
+    even to read the frozen weight alone."""
     layer = neuroada_layers(model)[0]
     x = torch.randn(1, 3, layer.in_features)
     inside, release = threading.Event(), threading.Event()
@@ -155,6 +157,7 @@ def test_each_visit_holds_the_weight_lock_from_patch_to_restore(model):
 
     def second() -> None:
         inside.wait(timeout=10)
+        layer.enable_adapters(second_reads == "adapter")  # the first visit is past its check already
         with torch.no_grad():
             layer(x)
         entered_second.set()
