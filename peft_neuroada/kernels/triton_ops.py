@@ -1,18 +1,23 @@
 """Triton kernels for the three products, for CUDA tensors (and CPU tensors under `TRITON_INTERPRET=1`, which is how
 the test suite checks them on a machine without a GPU).
 
-All three walk tiles of tokens x placement entries, read any strides and index dtype, and accumulate in float32:
+All three read the token-major layout the issue on these kernels calls the dot-product layout: x and the output
+gradient as (T, features) with the tokens adjacent in memory (x^T and g^T contiguous, one copy each per call unless the
+caller's tensor is laid out so already). A program owns a tile of tokens x placement entries (or neurons) and reads,
+for each entry, a run of adjacent tokens of one input column: one coalesced load where the (T, features) row-major
+layout reads one scattered element per token (on an H100 that layout made the k=20 delta gradient of a 4096-token
+4096 -> 11008 layer cost 1.12 matmuls and the input gradient 4.1).
 
 * delta gradient: a program owns a block of flattened entries e = i * k + j (so neurons of any k pack the tile with
-  no padding) and a slice of the tokens; it gathers `x[t, cols[e]]` and `grad[t, rows[e // k]]` and reduces over
-  tokens. Short inputs are split over more token slices, whose float32 partial sums are added afterwards.
+  no padding) and a slice of the tokens, multiplies `x[t, cols[e]]` by `grad[t, rows[e // k]]` and reduces over
+  tokens once at the end. Short inputs are split over more token slices, whose float32 partial sums are added after.
 * forward: a program owns a tile of tokens x neurons and loops over the k inputs of its neurons.
-* input gradient: the same tiles, adding `grad * delta` into a float32 buffer with atomics (duplicates sum); the
-  dispatcher uses the torch ops instead when deterministic algorithms are requested.
+* input gradient: the same tiles, adding `grad * delta` with atomics into a token-major float32 buffer (duplicates
+  sum; adjacent tokens' atomics coalesce); the dispatcher uses the torch ops instead when deterministic algorithms are
+  requested.
 
-The kernels are jitted on first use rather than at import, so `TRITON_INTERPRET` is read when they are first needed.
-Not yet timed on a GPU (none was available): block sizes are conservative defaults, see
-`benchmarks/primitives.py --device cuda`.
+Every kernel accumulates in float32. They are jitted on first use rather than at import, so `TRITON_INTERPRET` is
+read when they are first needed. Timings on an H100: docs/performance.md ("seventh round").
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ import torch
 # Imported on first use (half a second; the names are globals that the jitted kernels resolve).
 triton = tl = None
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = 64
 BLOCK_ENTRIES = 64
-BLOCK_NEURONS = 64
+BLOCK_NEURONS = 32
 # Split the tokens of a delta gradient until about this many programs run (an H100 has 132 SMs).
 TARGET_PROGRAMS = 512
 
@@ -41,8 +46,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (T, features) with unit token stride: a view of itself if it is laid out so, else a transposed copy."""
+    return t if t.stride(0) == 1 else t.T.contiguous().T
+
+
+# The kernels take token-major (T, features) tensors: element (t, f) sits at `ptr + t + f * feature_stride`.
+
+
 def _sampled_grad_kernel(
-    x_ptr, g_ptr, cols_ptr, rows_ptr, out_ptr, T, K, NK, tokens_per_split, x_s0, x_s1, g_s0, g_s1,
+    x_ptr, g_ptr, cols_ptr, rows_ptr, out_ptr, T, K, NK, tokens_per_split, x_sf, g_sf,
     HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -55,18 +68,18 @@ def _sampled_grad_kernel(
         row = neuron.to(tl.int64)
     t_begin = tl.program_id(1) * tokens_per_split
     t_end = tl.minimum(t_begin + tokens_per_split, T)
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         mask = (t < t_end)[:, None] & e_mask[None, :]
-        xv = tl.load(x_ptr + t[:, None] * x_s0 + col[None, :] * x_s1, mask=mask, other=0.0).to(tl.float32)
-        gv = tl.load(g_ptr + t[:, None] * g_s0 + row[None, :] * g_s1, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(xv * gv, axis=0)
-    tl.store(out_ptr + tl.program_id(1) * NK + e, acc, mask=e_mask)
+        xv = tl.load(x_ptr + t[:, None] + (col * x_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(g_ptr + t[:, None] + (row * g_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += xv * gv
+    tl.store(out_ptr + tl.program_id(1) * NK + e, tl.sum(acc, axis=0), mask=e_mask)
 
 
 def _bypass_forward_kernel(
-    x_ptr, cols_ptr, rows_ptr, delta_ptr, y_ptr, T, N, K, x_s0, x_s1, y_s0,
+    x_ptr, cols_ptr, rows_ptr, delta_ptr, y_ptr, T, N, K, x_sf, y_s0,
     HAS_ROWS: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -77,7 +90,7 @@ def _bypass_forward_kernel(
     for j in range(0, K):
         col = tl.load(cols_ptr + neuron * K + j, mask=n_mask, other=0).to(tl.int64)
         d = tl.load(delta_ptr + neuron * K + j, mask=n_mask, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptr + t[:, None] * x_s0 + col[None, :] * x_s1, mask=mask, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t[:, None] + (col * x_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += xv * d[None, :]
     if HAS_ROWS:
         row = tl.load(rows_ptr + neuron, mask=n_mask, other=0).to(tl.int64)
@@ -90,7 +103,7 @@ def _bypass_forward_kernel(
 
 
 def _bypass_input_grad_kernel(
-    g_ptr, cols_ptr, rows_ptr, delta_ptr, gx_ptr, T, N, K, g_s0, g_s1, gx_s0,
+    g_ptr, cols_ptr, rows_ptr, delta_ptr, gx_ptr, T, N, K, g_sf, gx_sf,
     HAS_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -101,11 +114,11 @@ def _bypass_input_grad_kernel(
         row = tl.load(rows_ptr + neuron, mask=n_mask, other=0).to(tl.int64)
     else:
         row = neuron.to(tl.int64)
-    gv = tl.load(g_ptr + t[:, None] * g_s0 + row[None, :] * g_s1, mask=mask, other=0.0).to(tl.float32)
+    gv = tl.load(g_ptr + t[:, None] + (row * g_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
     for j in range(0, K):
         col = tl.load(cols_ptr + neuron * K + j, mask=n_mask, other=0).to(tl.int64)
         d = tl.load(delta_ptr + neuron * K + j, mask=n_mask, other=0.0).to(tl.float32)
-        tl.atomic_add(gx_ptr + t[:, None] * gx_s0 + col[None, :], gv * d[None, :], mask=mask)
+        tl.atomic_add(gx_ptr + t[:, None] + (col * gx_sf)[None, :], gv * d[None, :], mask=mask)
 
 
 @functools.cache
@@ -135,7 +148,7 @@ def sampled_grad(
     T = x2d.shape[0]
     if n * k == 0 or T == 0:
         return torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
-    cols = cols.contiguous()
+    x2d, grad2d, cols = _token_major(x2d), _token_major(grad2d), cols.contiguous()
     entry_blocks = _cdiv(n * k, BLOCK_ENTRIES)
     splits = max(1, min(_cdiv(T, BLOCK_TOKENS), TARGET_PROGRAMS // entry_blocks))
     tokens_per_split = _cdiv(_cdiv(T, splits), BLOCK_TOKENS) * BLOCK_TOKENS
@@ -143,7 +156,7 @@ def sampled_grad(
     partial = torch.empty(splits, n * k, dtype=torch.float32, device=x2d.device)
     _kernels().sampled_grad[(entry_blocks, splits)](
         x2d, grad2d, cols, _rows_arg(rows, cols), partial, T, k, n * k, tokens_per_split,
-        x2d.stride(0), x2d.stride(1), grad2d.stride(0), grad2d.stride(1),
+        x2d.stride(1), grad2d.stride(1),
         HAS_ROWS=rows is not None, BLOCK_E=BLOCK_ENTRIES, BLOCK_T=BLOCK_TOKENS,
     )  # fmt: skip
     return (partial[0] if splits == 1 else partial.sum(0)).view(n, k)
@@ -164,10 +177,10 @@ def bypass_forward(
         out = (torch.empty if rows is None else torch.zeros)(T, d_out, dtype=x2d.dtype, device=x2d.device)
     if T == 0 or n * k == 0:
         return out if accumulate else out.zero_()
-    cols, delta = cols.contiguous(), delta.detach().contiguous()
+    x2d, cols, delta = _token_major(x2d), cols.contiguous(), delta.detach().contiguous()
     grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
     _kernels().bypass_forward[grid](
-        x2d, cols, _rows_arg(rows, cols), delta, out, T, n, k, x2d.stride(0), x2d.stride(1), out.stride(0),
+        x2d, cols, _rows_arg(rows, cols), delta, out, T, n, k, x2d.stride(1), out.stride(0),
         HAS_ROWS=rows is not None, ACCUMULATE=accumulate, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
     )  # fmt: skip
     return out
@@ -184,16 +197,14 @@ def bypass_input_grad(
 ) -> torch.Tensor:
     n, k = cols.shape
     T = grad2d.shape[0]
-    direct = out is not None and out.dtype == torch.float32  # atomics straight into the caller's float32 buffer
-    grad_x = out if direct else torch.zeros(T, d_in, dtype=torch.float32, device=grad2d.device)
+    grad_x = torch.zeros(d_in, T, dtype=torch.float32, device=grad2d.device).T  # token-major, for the atomics
     if T > 0 and n * k > 0:
-        cols, delta = cols.contiguous(), delta.detach().contiguous()
+        grad2d, cols, delta = _token_major(grad2d), cols.contiguous(), delta.detach().contiguous()
         grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
         _kernels().bypass_input_grad[grid](
-            grad2d, cols, _rows_arg(rows, cols), delta, grad_x, T, n, k,
-            grad2d.stride(0), grad2d.stride(1), grad_x.stride(0),
+            grad2d, cols, _rows_arg(rows, cols), delta, grad_x, T, n, k, grad2d.stride(1), grad_x.stride(1),
             HAS_ROWS=rows is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
         )  # fmt: skip
-    if direct:
-        return out
-    return grad_x.to(dtype) if out is None else out.add_(grad_x)
+    if out is not None:
+        return out.add_(grad_x)
+    return grad_x.to(dtype, memory_format=torch.contiguous_format)
