@@ -29,40 +29,43 @@ class Case:
     """Random inputs for one layer: (T, d_in) x, (T, d_out) grad, n neurons with k distinct columns each (neurons
     share columns)."""
 
-    def __init__(self, tokens, d_in, d_out, k, *, subset=False, dtype=torch.float32, index=torch.int64, seed=0):
+    def __init__(
+        self, tokens, d_in, d_out, k, *, subset=False, dtype=torch.float32, index=torch.int64, seed=0, device="cpu"
+    ):
         generator = torch.Generator().manual_seed(seed)
-        self.d_in, self.d_out = d_in, d_out
-        self.x = torch.randn(tokens, d_in, generator=generator).to(dtype)
-        self.grad = torch.randn(tokens, d_out, generator=generator).to(dtype)
+        self.d_in, self.d_out, self.device = d_in, d_out, torch.device(device)
+        self.x = torch.randn(tokens, d_in, generator=generator).to(device, dtype)
+        self.grad = torch.randn(tokens, d_out, generator=generator).to(device, dtype)
         n = d_out // 2 if subset else d_out
-        self.rows = torch.randperm(d_out, generator=generator)[:n].to(index) if subset else None
-        self.cols = torch.rand(n, d_in, generator=generator).argsort(1)[:, :k].to(index)
-        self.delta = torch.randn(n, k, generator=generator).to(dtype)
+        self.rows = torch.randperm(d_out, generator=generator)[:n].to(device, index) if subset else None
+        self.cols = torch.rand(n, d_in, generator=generator).argsort(1)[:, :k].to(device, index)
+        self.delta = torch.randn(n, k, generator=generator).to(device, dtype)
 
     @property
     def neurons(self) -> torch.Tensor:
-        return torch.arange(self.d_out) if self.rows is None else self.rows.long()
+        return torch.arange(self.d_out) if self.rows is None else self.rows.cpu().long()
 
     def dense_delta(self) -> torch.Tensor:
         dense = torch.zeros(self.d_out, self.d_in, dtype=torch.float64)
-        positions = (self.neurons[:, None].expand_as(self.cols), self.cols.long())
-        return dense.index_put_(positions, self.delta.double(), accumulate=True)
+        positions = (self.neurons[:, None].expand_as(self.cols), self.cols.cpu().long())
+        return dense.index_put_(positions, self.delta.cpu().double(), accumulate=True)
 
     def sampled_grad(self) -> torch.Tensor:
-        return (self.grad.double().T @ self.x.double())[self.neurons[:, None], self.cols.long()]
+        return (self.grad.cpu().double().T @ self.x.cpu().double())[self.neurons[:, None], self.cols.cpu().long()]
 
     def forward(self) -> torch.Tensor:
-        return self.x.double() @ self.dense_delta().T
+        return self.x.cpu().double() @ self.dense_delta().T
 
     def input_grad(self) -> torch.Tensor:
-        return self.grad.double() @ self.dense_delta()
+        return self.grad.cpu().double() @ self.dense_delta()
 
 
 def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    """float32 accumulation everywhere; one final rounding to a half-precision output."""
+    """float32 accumulation everywhere; one final rounding to a half-precision output. References are on the CPU."""
     scale = expected.abs().max().item() + 1.0
     rtol = 1e-5 if got.dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=4e-6 * scale if rtol == 1e-5 else rtol * scale)
+    got = got.cpu().double()
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=4e-6 * scale if rtol == 1e-5 else rtol * scale)
 
 
 SHAPES = [(1, 7, 5, 1), (37, 50, 70, 5), (130, 33, 17, 20), (70, 72, 40, 64)]
@@ -111,7 +114,7 @@ def test_strided_inputs_are_read_in_place(backend):
 def check_accumulation(case: Case, backend: str) -> None:
     """`out=` adds the product into the caller's tensor (rows of unit stride, or any other strides)."""
     dtype = case.x.dtype
-    for make in (lambda t: t.clone(), lambda t: t.T.contiguous().T):
+    for make in (lambda t: t.to(case.device, copy=True), lambda t: t.T.contiguous().T.to(case.device)):
         base = torch.randn(case.x.shape[0], case.d_out).to(dtype)
         out = make(base)
         got = kernels.bypass_forward(case.x, case.cols, case.rows, case.delta, case.d_out, out=out, backend=backend)
@@ -424,3 +427,71 @@ def test_triton_kernels_match_dense_reference_in_the_interpreter():
     result = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checked" in result.stdout
+
+
+ON_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs a CUDA GPU and triton"
+)
+GPU_BACKENDS = ["triton", "torch"]
+# The CPU shapes, plus a training-sized layer (SmolLM2's up_proj at 4096 tokens) and a ragged one with k = 64.
+GPU_SHAPES = [*SHAPES, (4096, 576, 1536, 20), (333, 1000, 77, 64)]
+
+
+@ON_GPU
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}-{}to{}-k{}".format(*s))
+@pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
+@pytest.mark.parametrize("index", [torch.int16, torch.int32, torch.int64], ids=["int16", "int32", "int64"])
+def test_products_on_the_gpu_match_dense_reference(backend, shape, subset, index):
+    check_all(Case(*shape, subset=subset, index=index, device="cuda"), backend)
+
+
+@ON_GPU
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_half_precision_inputs_on_the_gpu_accumulate_in_float32(backend, dtype, k):
+    check_all(Case(515, 200, 130, k, subset=k == 20, dtype=dtype, device="cuda"), backend)
+
+
+@ON_GPU
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_strided_inputs_on_the_gpu_are_read_in_place(backend):
+    case = Case(75, 40, 24, 6, subset=True, device="cuda")
+    case.x = case.x.T.contiguous().T
+    case.grad = torch.zeros(case.grad.shape[0], 2 * case.grad.shape[1], device="cuda")[:, ::2].copy_(case.grad)
+    assert not case.x.is_contiguous() and not case.grad.is_contiguous()
+    check_all(case, backend)
+
+
+@ON_GPU
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 20])
+def test_products_on_the_gpu_accumulate_into_out(backend, dtype, k):
+    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype, device="cuda"), backend)
+
+
+@ON_GPU
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_duplicate_columns_across_neurons_sum_in_the_input_gradient_on_the_gpu(backend):
+    case = Case(300, 6, 80, 3, device="cuda")
+    case.cols = torch.tensor([[0, 1, 2]] * 80, device="cuda")
+    got = kernels.bypass_input_grad(case.grad, case.cols, None, case.delta, 6, backend=backend)
+    assert got[:, 3:].abs().max() == 0
+    assert_matches(got, case.input_grad(), torch.float32)
+
+
+@ON_GPU
+def test_auto_picks_triton_on_the_gpu_and_torch_ops_for_a_deterministic_input_gradient():
+    case = Case(8, 6, 5, 2, device="cuda")
+    assert kernels.available_backends("cuda") == ["triton", "torch"]
+    assert kernels.choose_backend("sampled_grad", case.x, case.grad) == "triton"
+    assert kernels.choose_backend("bypass_input_grad", case.grad, case.delta) == "triton"
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert kernels.choose_backend("bypass_input_grad", case.grad, case.delta) == "torch"
+        assert kernels.choose_backend("bypass_forward", case.x, case.delta) == "triton"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    check_all(case, "auto")

@@ -125,11 +125,12 @@ def test_each_call_computes_with_the_base_weight_the_layer_holds_at_that_call(ch
     assert (layer.frozen().refusal() is None) == writable
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("neuron_fraction", [1.0, 0.5], ids=["all-neurons", "half-neurons"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction):
-    layer = make_layer(dtype=dtype, path=path, neuron_fraction=neuron_fraction)
+def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction, device):
+    layer = make_layer(dtype=dtype, path=path, neuron_fraction=neuron_fraction, device=device)
     x = inputs(layer).detach()
     unmerged = layer(x)
     layer.merge()
@@ -139,9 +140,10 @@ def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction):
     torch.testing.assert_close(unmerged, merged, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_training_step_leaves_frozen_weight_bit_identical(dtype):
-    layer = make_layer(dtype=dtype)
+def test_training_step_leaves_frozen_weight_bit_identical(dtype, device):
+    layer = make_layer(dtype=dtype, device=device)
     original = layer.get_base_layer().weight.detach().clone()
     layer(inputs(layer)).sum().backward()
     assert torch.equal(layer.get_base_layer().weight, original)

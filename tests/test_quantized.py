@@ -46,6 +46,8 @@ QUANTIZATIONS: dict[str, Callable[[], object]] = {
     ),
 }
 EACH_QUANTIZATION = pytest.mark.parametrize("quantization", QUANTIZATIONS)
+# The CPU here; on a machine with a CUDA GPU also the GPU, where QLoRA users train (bitsandbytes' CUDA kernels).
+EACH_DEVICE = pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 
 
 def save_llama(path: Path, hidden_size: int, intermediate_size: int) -> Path:
@@ -69,8 +71,13 @@ def tiny_dir(tmp_path_factory) -> Path:
     return save_llama(tmp_path_factory.mktemp("tiny-llama"), hidden_size=64, intermediate_size=128)
 
 
-def load(path: Path, quantization: str) -> nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=QUANTIZATIONS[quantization]()).eval()
+def load(path: Path, quantization: str, device: str = "cpu") -> nn.Module:
+    """The model quantized at load; on the GPU, bitsandbytes' (torchao's weight-only kinds are checked on CPU)."""
+    if device != "cpu" and quantization.startswith("torchao"):
+        pytest.skip("torchao's weight-only kinds are checked on the CPU")
+    placement = {} if device == "cpu" else {"device_map": {"": device}}
+    config = QUANTIZATIONS[quantization]()
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, **placement).eval()
 
 
 def dequantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -172,46 +179,52 @@ def test_selection_of_a_share_of_neurons_reads_their_dequantized_rows(tiny_dir) 
         assert torch.equal(layer.placement("default").cols, expected), name
 
 
+@EACH_DEVICE
 @EACH_QUANTIZATION
-def test_training_changes_outputs_and_never_writes_quantized_storage(tiny_dir, quantization, token_batch) -> None:
-    peft_model = get_peft_model(load(tiny_dir, quantization), NeuroAdaConfig(k=2))
+def test_training_changes_outputs_and_never_writes_quantized_storage(tiny_dir, quantization, token_batch, device):
+    peft_model = get_peft_model(load(tiny_dir, quantization, device), NeuroAdaConfig(k=2))
+    tokens = token_batch.to(device)
     before = storage_of(peft_model)
-    base_output = logits(peft_model, token_batch)
+    base_output = logits(peft_model, tokens)
 
-    losses = train_on_batch(peft_model, token_batch, steps=3, lr=1e-2)
-    adapted_output = logits(peft_model.eval(), token_batch)
+    losses = train_on_batch(peft_model, tokens, steps=3, lr=1e-2)
+    adapted_output = logits(peft_model.eval(), tokens)
 
     assert losses[-1] < losses[0]
     assert (adapted_output - base_output).abs().max() > 1e-2
     assert_same_storage(before, storage_of(peft_model))
 
 
+@EACH_DEVICE
 @EACH_QUANTIZATION
 def test_saved_adapter_reproduces_outputs_on_a_freshly_loaded_quantized_base(
-    tiny_dir, quantization, token_batch, tmp_path
+    tiny_dir, quantization, token_batch, tmp_path, device
 ) -> None:
-    peft_model = trained(load(tiny_dir, quantization), token_batch)
-    expected = logits(peft_model, token_batch)
+    tokens = token_batch.to(device)
+    peft_model = trained(load(tiny_dir, quantization, device), tokens)
+    expected = logits(peft_model, tokens)
     peft_model.save_pretrained(tmp_path)
 
-    reloaded = PeftModel.from_pretrained(load(tiny_dir, quantization), tmp_path).eval()
+    reloaded = PeftModel.from_pretrained(load(tiny_dir, quantization, device), tmp_path).eval()
 
-    assert torch.equal(logits(reloaded, token_batch), expected)
+    assert torch.equal(logits(reloaded, tokens), expected)
 
 
+@EACH_DEVICE
 @EACH_QUANTIZATION
 def test_merge_requantizes_with_a_warning_and_unmerge_restores_the_storage_bit_for_bit(
-    tiny_dir, quantization, token_batch
+    tiny_dir, quantization, token_batch, device
 ) -> None:
-    peft_model = trained(load(tiny_dir, quantization), token_batch)
-    adapted = logits(peft_model, token_batch)
+    tokens = token_batch.to(device)
+    peft_model = trained(load(tiny_dir, quantization, device), tokens)
+    adapted = logits(peft_model, tokens)
     with peft_model.disable_adapter():
-        base = logits(peft_model, token_batch)
+        base = logits(peft_model, tokens)
     before = storage_of(peft_model)
 
     with pytest.warns(UserWarning, match="rounding errors: the merged weight is quantized again"):
         peft_model.merge_adapter()
-    merged = logits(peft_model, token_batch)
+    merged = logits(peft_model, tokens)
     merged_storage = storage_of(peft_model)
 
     assert all(
@@ -221,14 +234,14 @@ def test_merge_requantizes_with_a_warning_and_unmerge_restores_the_storage_bit_f
 
     peft_model.unmerge_adapter()
     assert_same_storage(before, storage_of(peft_model))
-    assert torch.equal(logits(peft_model, token_batch), adapted)
+    assert torch.equal(logits(peft_model, tokens), adapted)
 
     with pytest.warns(UserWarning, match="rounding errors"):
         unloaded = peft_model.merge_and_unload()
     assert type(unloaded.model.layers[0].self_attn.q_proj) is type(
-        load(tiny_dir, quantization).model.layers[0].self_attn.q_proj
+        load(tiny_dir, quantization, device).model.layers[0].self_attn.q_proj
     )
-    assert torch.equal(logits(unloaded, token_batch), merged)
+    assert torch.equal(logits(unloaded, tokens), merged)
 
 
 def test_several_adapters_merge_in_turn_and_unmerge_to_the_original_storage(tiny_dir, token_batch) -> None:
