@@ -4,10 +4,10 @@
     python benchmarks/train_cost.py --model large-random --json outputs/large.json
     python benchmarks/train_cost.py --tiny            # smoke test, a few seconds per variant
 
-Each variant runs in freshly forked processes (the coordinator imports the libraries, all of them before the first
-fork so every variant runs the same code, but never runs a tensor op or touches CUDA), so allocator state, caches and
-peak-memory counters of one variant never leak into the next: one process measures memory, another one time. Per
-variant it reports:
+Each variant runs in fresh processes (forked on the CPU: the coordinator imports the libraries, all of them before the
+first fork so every variant runs the same code, but never runs a tensor op; spawned for CUDA), so allocator state,
+caches and peak-memory counters of one variant never leak into the next: one process measures memory, another one
+time. Per variant it reports:
 
 * step time: median of fwd + bwd + AdamW step over the timed steps (after warmup, pooled over `--rounds` passes
   that interleave the variants), as wall-clock and as process CPU time;

@@ -42,6 +42,7 @@ class ModelDefaults:
 
 MODEL_DEFAULTS = {
     "smollm2": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3),
+    "smollm2-random": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3),
     "large-random": ModelDefaults(batch=1, seq_len=256, warmup=2, steps=3, infer_steps=3),
     "tiny": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
 }
@@ -272,8 +273,10 @@ def measure_time(spec: RunSpec) -> Result:
 
 
 def run_isolated(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
-    """Run `measure(spec)` in a new forked process; a crash (or OOM kill) becomes that variant's error."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+    """Run `measure(spec)` in a new process; a crash (or OOM kill) becomes that variant's error. Forked on the CPU;
+    spawned for CUDA, which a forked child cannot initialize once anything in the parent (an import, say) has."""
+    method = "spawn" if resolve_device(spec.device).type == "cuda" else "fork"
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(method)) as pool:
         try:
             return pool.submit(measure, spec).result()
         except Exception as error:  # any failure belongs in the table, not in a traceback that hides the rest

@@ -24,6 +24,18 @@ BUDGET_K = 20
 TARGETS = list(LLAMA_STYLE_TARGETS)
 
 RANDOM_CONFIGS = {
+    # SmolLM2-135M's architecture with seeded random weights: the real model's costs where its package is missing
+    # (a GPU machine, say).
+    "smollm2-random": LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
     # ~0.55B parameters: the weights (2.2 GB) dominate the activations of a 1 x 256 batch.
     "large-random": LlamaConfig(
         vocab_size=32000,
