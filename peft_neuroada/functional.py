@@ -539,10 +539,16 @@ def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: 
 
 
 def frozen_output(frozen: FrozenLinear, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The base layer's own output; read under the weight's lock when in-place visits may patch that weight."""
-    if frozen.direct_refusal(*args, **kwargs) is not None:
+    """The base layer's own output, read under the weight's lock (an in-place visit of another thread or stream may
+    have that weight patched). With gradients a plain linear layer runs as `DirectLinear`, whose backward reads the
+    weight under the lock too; without, the base layer's own forward runs under it. Traced, it is the base layer's
+    own forward (`torch.compile` does not trace a lock, and the traced visits never patch weights)."""
+    if torch.compiler.is_compiling():
         return frozen.module(x, *args, **kwargs)
-    return _linear(frozen, x, (), (), inplace=False)
+    if torch.is_grad_enabled() and frozen.direct_refusal(*args, **kwargs) is None:
+        return _linear(frozen, x, (), (), inplace=False)
+    with weight_lock(frozen.module, frozen.weight.device):
+        return frozen.module(x, *args, **kwargs)
 
 
 def adapted_linear(
