@@ -69,8 +69,8 @@ def _sampled_grad_kernel(
     t_begin = tl.program_id(1) * tokens_per_split
     t_end = tl.minimum(t_begin + tokens_per_split, T)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for t0 in range(t_begin, t_end, BLOCK_T):
-        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    for t0 in range(0, tokens_per_split, BLOCK_T):  # (bounds of plain ints: older interpreters cannot loop to t_end)
+        t = (t_begin + t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         mask = (t < t_end)[:, None] & e_mask[None, :]
         xv = tl.load(x_ptr + t[:, None] + (col * x_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(g_ptr + t[:, None] + (row * g_sf)[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -146,8 +146,6 @@ def sampled_grad(
 ) -> torch.Tensor:
     n, k = cols.shape
     T = x2d.shape[0]
-    if n * k == 0 or T == 0:
-        return torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
     x2d, grad2d, cols = _token_major(x2d), _token_major(grad2d), cols.contiguous()
     entry_blocks = _cdiv(n * k, BLOCK_ENTRIES)
     splits = max(1, min(_cdiv(T, BLOCK_TOKENS), TARGET_PROGRAMS // entry_blocks))
@@ -175,8 +173,6 @@ def bypass_forward(
     accumulate = out is not None
     if out is None:
         out = (torch.empty if rows is None else torch.zeros)(T, d_out, dtype=x2d.dtype, device=x2d.device)
-    if T == 0 or n * k == 0:
-        return out if accumulate else out.zero_()
     x2d, cols, delta = _token_major(x2d), cols.contiguous(), delta.detach().contiguous()
     grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
     _kernels().bypass_forward[grid](
@@ -198,13 +194,12 @@ def bypass_input_grad(
     n, k = cols.shape
     T = grad2d.shape[0]
     grad_x = torch.zeros(d_in, T, dtype=torch.float32, device=grad2d.device).T  # token-major, for the atomics
-    if T > 0 and n * k > 0:
-        grad2d, cols, delta = _token_major(grad2d), cols.contiguous(), delta.detach().contiguous()
-        grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
-        _kernels().bypass_input_grad[grid](
-            grad2d, cols, _rows_arg(rows, cols), delta, grad_x, T, n, k, grad2d.stride(1), grad_x.stride(1),
-            HAS_ROWS=rows is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
-        )  # fmt: skip
+    grad2d, cols, delta = _token_major(grad2d), cols.contiguous(), delta.detach().contiguous()
+    grid = (_cdiv(T, BLOCK_TOKENS), _cdiv(n, BLOCK_NEURONS))
+    _kernels().bypass_input_grad[grid](
+        grad2d, cols, _rows_arg(rows, cols), delta, grad_x, T, n, k, grad2d.stride(1), grad_x.stride(1),
+        HAS_ROWS=rows is not None, BLOCK_T=BLOCK_TOKENS, BLOCK_N=BLOCK_NEURONS,
+    )  # fmt: skip
     if out is not None:
         return out.add_(grad_x)
     return grad_x.to(dtype, memory_format=torch.contiguous_format)
