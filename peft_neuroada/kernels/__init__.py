@@ -30,7 +30,8 @@ and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/
 
 Every product accumulates in float32, reads inputs of any strides, takes int16, int32 or int64 indices (layers keep
 int16 columns, see index_storage.py), and is a plain function of its arguments (no autograd, no state): safe to call
-from several threads at once.
+from several threads at once. With no entry or no token the answer is zeros (or `out` as given), before any backend
+runs.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def sampled_grad(
     _validate("sampled_grad", cols, rows, grad2d.shape[1], {"x2d": x2d, "grad2d": grad2d})
     if x2d.shape[0] != grad2d.shape[0]:
         raise ValueError(f"sampled_grad: x2d has {x2d.shape[0]} tokens but grad2d has {grad2d.shape[0]}")
+    if cols.numel() == 0 or x2d.shape[0] == 0:
+        return torch.zeros(cols.shape, dtype=torch.float32, device=x2d.device)
     return _module("sampled_grad", backend, x2d, grad2d).sampled_grad(x2d, grad2d, cols, rows)
 
 
@@ -165,6 +168,8 @@ def bypass_forward(
     _validate("bypass_forward", cols, rows, d_out, {"x2d": x2d, "delta": delta})
     if out is not None:
         _check_out("bypass_forward", out, (x2d.shape[0], d_out), x2d, delta)
+    if cols.numel() == 0 or x2d.shape[0] == 0:
+        return x2d.new_zeros(x2d.shape[0], d_out) if out is None else out
     module = _module("bypass_forward", backend, x2d, delta, *([] if out is None else [out]))
     if out is None:
         return module.bypass_forward(x2d, cols, rows, delta, d_out)
@@ -195,6 +200,8 @@ def bypass_input_grad(
             raise ValueError(f"bypass_input_grad: dtype {dtype} differs from out's {out.dtype}")
         dtype = out.dtype
     dtype = grad2d.dtype if dtype is None else dtype
+    if cols.numel() == 0 or grad2d.shape[0] == 0:
+        return grad2d.new_zeros(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
     probe = torch.empty(0, dtype=dtype, device=grad2d.device)  # the output's dtype must be supported too
     module = _module("bypass_input_grad", backend, grad2d, delta, probe)
     if out is not None and out.stride(1) != 1:

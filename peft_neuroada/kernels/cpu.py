@@ -204,8 +204,6 @@ def sampled_grad(
 ) -> torch.Tensor:
     lib = _required()
     n, k = cols.shape
-    if n * k == 0 or x2d.shape[0] == 0:
-        return torch.zeros(n, k, dtype=torch.float32)
     out = torch.empty(n, k, dtype=torch.float32)
     place, cols, rows = _placement(cols, rows)
     sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
@@ -226,8 +224,6 @@ def bypass_forward(
 ) -> torch.Tensor:
     lib = _required()
     n, k = cols.shape
-    if n * k == 0 or x2d.shape[0] == 0:
-        return x2d.new_zeros(x2d.shape[0], d_out) if out is None else out
     accumulate = out is not None
     out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
@@ -254,8 +250,6 @@ def bypass_input_grad(
 ) -> torch.Tensor:
     lib = _required()
     n, k = cols.shape
-    if n * k == 0 or grad2d.shape[0] == 0:
-        return grad2d.new_zeros(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
     accumulate = out is not None
     out = torch.empty(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
