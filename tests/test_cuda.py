@@ -17,9 +17,9 @@ from peft_neuroada.layer import Linear
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def adapted(device: str, **model_config) -> PeftModel:
-    """The tiny Llama (or one with `model_config`) with a non-identity adapter, selected on `device`."""
-    return get_peft_model(tiny_llama(**model_config).to(device), NeuroAdaConfig(k=2, init_weights=False)).eval()
+def adapted(device: str) -> PeftModel:
+    """The tiny Llama with a non-identity adapter, selected on `device`."""
+    return get_peft_model(tiny_llama().to(device), NeuroAdaConfig(k=2, init_weights=False)).eval()
 
 
 def trainable_grads(model: PeftModel) -> dict[str, torch.Tensor]:
