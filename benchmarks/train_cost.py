@@ -33,7 +33,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
-from cost.measurement import MODEL_DEFAULTS, Result, RunSpec, run_all
+from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, Result, RunSpec, run_all
 from cost.report import check_targets, format_checks, format_table
 from cost.variants import QUANTIZATIONS, VARIANTS
 
@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="glibc in the timing processes: its default (hands freed memory back to the OS, so every step faults "
         "pages in again) or keep (freed memory is reused, as with jemalloc/tcmalloc or CUDA's caching allocator).",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adamw",
+        help="AdamW as torch defaults it (a Python loop on CPU; `neuroada train`'s) or fused (the Trainer's default).",
+    )
     parser.add_argument("--json", type=Path, help="Also write the results (and target checks) to this file.")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -106,13 +112,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
             threads=args.threads,
             quantize=args.quantize,
             allocator=args.allocator,
+            optimizer=args.optimizer,
         )
         for variant in args.variants
     ]
     results = run_all(specs, args.rounds)
     checks = check_targets(results, args.clock)
     print(
-        f"\nmodel={args.model} quantize={args.quantize} allocator={args.allocator} batch={args.batch}x{args.seq_len} "
+        f"\nmodel={args.model} quantize={args.quantize} allocator={args.allocator} optimizer={args.optimizer} "
+        f"batch={args.batch}x{args.seq_len} "
         f"dtype={args.dtype} "
         f"device={args.device} "
         f"threads={args.threads or torch.get_num_threads()} rounds={args.rounds} warmup={args.warmup} "

@@ -49,6 +49,14 @@ MODEL_DEFAULTS = {
 }
 
 
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    # torch's default implementation (on CPU a Python loop over the tensors), as `neuroada train` and the paper use
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0),
+    # one fused kernel for all tensors: the Trainer's default (`adamw_torch_fused`) in transformers 5
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True),
+}
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything a variant's process needs (picklable, sent to the child)."""
@@ -66,6 +74,7 @@ class RunSpec:
     seed: int = 0
     quantize: str | None = None  # a key of variants.QUANTIZATIONS: every variant on the same quantized base
     allocator: str = "default"  # "keep": glibc keeps freed memory in the timing process (`meters.keep_freed_memory`)
+    optimizer: str = "adamw"  # a key of OPTIMIZERS
 
 
 @dataclass
@@ -174,7 +183,7 @@ class Session:
         self.baseline = torch.cuda.memory_allocated() if self.on_cuda else rss_bytes()
         self.model, self.params, label = VARIANTS[spec.variant](model)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, weight_decay=0.0) if self.params else None
+        self.optimizer = OPTIMIZERS[spec.optimizer](self.params) if self.params else None
         self.result = Result(spec.variant, label, trainable_params=sum(p.numel() for p in self.params))
         self.paired = isinstance(self.model, PeftModel)
 
