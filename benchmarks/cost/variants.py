@@ -23,38 +23,28 @@ from peft_neuroada.train.models import load_default_model
 BUDGET_K = 20
 TARGETS = list(LLAMA_STYLE_TARGETS)
 
+
+def llama_config(vocab: int, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, positions: int, **more):
+    """A Llama config of these sizes (the benchmark's random models differ in nothing else)."""
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=positions,
+        **more,
+    )
+
+
 RANDOM_CONFIGS = {
     # SmolLM2-135M's architecture with seeded random weights: the real model's costs where its package is missing
     # (a GPU machine, say).
-    "smollm2-random": LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    ),
+    "smollm2-random": llama_config(49152, 576, 1536, 30, 9, 3, 8192, tie_word_embeddings=True),
     # ~0.55B parameters: the weights (2.2 GB) dominate the activations of a 1 x 256 batch.
-    "large-random": LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=16,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    ),
-    "tiny": LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    ),
+    "large-random": llama_config(32000, 1536, 4096, 16, 12, 4, 1024),
+    "tiny": llama_config(256, 64, 128, 2, 4, 2, 128),
 }
 
 
