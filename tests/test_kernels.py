@@ -2,8 +2,8 @@
 
 Each backend is compared with a float64 dense reference: the weight gradient `grad.T @ x` gathered at the placement,
 and `x @ D.T` / `grad @ D` for the dense scatter D of the deltas (duplicated positions summed). The Triton kernels
-run on CPU tensors through Triton's interpreter (tests/triton_interpreter_worker.py).
-"""
+run on CPU tensors through Triton's interpreter (tests/triton_interpreter_worker.py), and with the torch ops on the GPU
+where there is one."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ from peft_neuroada import kernels
 from peft_neuroada.kernels import cpu
 
 CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C compiler"))]
+ON_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs a CUDA GPU and triton"
+)
+# Every backend on the device it computes on: the C kernels and torch ops here; Triton and torch ops on a GPU.
+BACKENDS_ON_DEVICES = [
+    pytest.param("torch", "cpu", id="torch-cpu"),
+    pytest.param("cpu", "cpu", id="c-kernels", marks=pytest.mark.skipif(not cpu.available(), reason="no C compiler")),
+    pytest.param("triton", "cuda", id="triton-cuda", marks=ON_GPU),
+    pytest.param("torch", "cuda", id="torch-cuda", marks=ON_GPU),
+]
 
 
 class Case:
@@ -68,7 +78,9 @@ def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
     torch.testing.assert_close(got, expected, rtol=rtol, atol=4e-6 * scale if rtol == 1e-5 else rtol * scale)
 
 
+# Small and ragged layers, a training-sized one (SmolLM2's up_proj at 4096 tokens) and a wide one with k = 64.
 SHAPES = [(1, 7, 5, 1), (37, 50, 70, 5), (130, 33, 17, 20), (70, 72, 40, 64)]
+SHAPES += [(4096, 576, 1536, 20), (333, 1000, 77, 64)]
 
 
 def check_all(case: Case, backend: str) -> None:
@@ -84,29 +96,27 @@ def check_all(case: Case, backend: str) -> None:
     assert_matches(got, case.input_grad(), dtype)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-{}to{}-k{}".format(*s))
 @pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
 @pytest.mark.parametrize("index", [torch.int16, torch.int32, torch.int64], ids=["int16", "int32", "int64"])
-def test_products_match_dense_reference(backend, shape, subset, index):
-    check_all(Case(*shape, subset=subset, index=index), backend)
+def test_products_match_dense_reference(backend, device, shape, subset, index):
+    check_all(Case(*shape, subset=subset, index=index, device=device), backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k", [1, 20])
-def test_half_precision_inputs_accumulate_in_float32(backend, dtype, k):
-    check_all(Case(67, 45, 38, k, subset=k == 20, dtype=dtype), backend)
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_half_precision_inputs_accumulate_in_float32(backend, device, dtype, k):
+    check_all(Case(515, 200, 130, k, subset=k == 20, dtype=dtype, device=device), backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_strided_inputs_are_read_in_place(backend):
+@pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
+def test_strided_inputs_are_read_in_place(backend, device):
     """Transposed views (feature-major) and column slices (feature stride 2) give the same products."""
-    case = Case(75, 40, 24, 6, subset=True)
+    case = Case(75, 40, 24, 6, subset=True, device=device)
     case.x = case.x.T.contiguous().T
-    wide = torch.zeros(case.grad.shape[0], 2 * case.grad.shape[1])
-    wide[:, ::2] = case.grad
-    case.grad = wide[:, ::2]
+    case.grad = torch.zeros(case.grad.shape[0], 2 * case.grad.shape[1], device=device)[:, ::2].copy_(case.grad)
     assert not case.x.is_contiguous() and not case.grad.is_contiguous()
     check_all(case, backend)
 
@@ -129,17 +139,17 @@ def check_accumulation(case: Case, backend: str) -> None:
         assert_matches(out, base.double() + case.input_grad(), dtype)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 20])
-def test_products_accumulate_into_out(backend, dtype, k):
-    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype), backend)
+def test_products_accumulate_into_out(backend, device, dtype, k):
+    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype, device=device), backend)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_duplicate_columns_across_neurons_sum_in_the_input_gradient(backend):
-    case = Case(9, 6, 8, 3)
-    case.cols = torch.tensor([[0, 1, 2]] * 8)
+@pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
+def test_duplicate_columns_across_neurons_sum_in_the_input_gradient(backend, device):
+    case = Case(300, 6, 80, 3, device=device)
+    case.cols = torch.tensor([[0, 1, 2]] * 80, device=device)
     got = kernels.bypass_input_grad(case.grad, case.cols, None, case.delta, 6, backend=backend)
     assert got[:, 3:].abs().max() == 0
     assert_matches(got, case.input_grad(), torch.float32)
@@ -427,59 +437,6 @@ def test_triton_kernels_match_dense_reference_in_the_interpreter():
     result = subprocess.run([sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checked" in result.stdout
-
-
-ON_GPU = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None, reason="needs a CUDA GPU and triton"
-)
-GPU_BACKENDS = ["triton", "torch"]
-# The CPU shapes, plus a training-sized layer (SmolLM2's up_proj at 4096 tokens) and a ragged one with k = 64.
-GPU_SHAPES = [*SHAPES, (4096, 576, 1536, 20), (333, 1000, 77, 64)]
-
-
-@ON_GPU
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}-{}to{}-k{}".format(*s))
-@pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
-@pytest.mark.parametrize("index", [torch.int16, torch.int32, torch.int64], ids=["int16", "int32", "int64"])
-def test_products_on_the_gpu_match_dense_reference(backend, shape, subset, index):
-    check_all(Case(*shape, subset=subset, index=index, device="cuda"), backend)
-
-
-@ON_GPU
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k", [1, 20, 64])
-def test_half_precision_inputs_on_the_gpu_accumulate_in_float32(backend, dtype, k):
-    check_all(Case(515, 200, 130, k, subset=k == 20, dtype=dtype, device="cuda"), backend)
-
-
-@ON_GPU
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_strided_inputs_on_the_gpu_are_read_in_place(backend):
-    case = Case(75, 40, 24, 6, subset=True, device="cuda")
-    case.x = case.x.T.contiguous().T
-    case.grad = torch.zeros(case.grad.shape[0], 2 * case.grad.shape[1], device="cuda")[:, ::2].copy_(case.grad)
-    assert not case.x.is_contiguous() and not case.grad.is_contiguous()
-    check_all(case, backend)
-
-
-@ON_GPU
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 20])
-def test_products_on_the_gpu_accumulate_into_out(backend, dtype, k):
-    check_accumulation(Case(70, 30, 24, k, subset=k == 20, dtype=dtype, device="cuda"), backend)
-
-
-@ON_GPU
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_duplicate_columns_across_neurons_sum_in_the_input_gradient_on_the_gpu(backend):
-    case = Case(300, 6, 80, 3, device="cuda")
-    case.cols = torch.tensor([[0, 1, 2]] * 80, device="cuda")
-    got = kernels.bypass_input_grad(case.grad, case.cols, None, case.delta, 6, backend=backend)
-    assert got[:, 3:].abs().max() == 0
-    assert_matches(got, case.input_grad(), torch.float32)
 
 
 @ON_GPU
