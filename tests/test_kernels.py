@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -427,6 +428,21 @@ def test_a_compiler_without_openmp_builds_kernels_on_their_own_threads(fresh_bui
     monkeypatch.setenv("CC", str(refusing))
     assert cpu.library().na_uses_openmp() == 0
     check_all(Case(1024, 64, 96, 8, subset=True), "cpu")
+
+
+@pytest.mark.skipif(cpu.compiler() is None or platform.machine() != "x86_64", reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("march, width", [("x86-64-v3", 8), ("x86-64", 4)], ids=["avx2", "sse"])
+def test_kernels_built_for_narrower_vector_units_give_the_same_products(fresh_build, monkeypatch, march, width):
+    """The vector width is fixed when the library is built for the machine (-march=native); older CPUs get the 8- and
+    4-lane code paths, checked here on whatever CPU runs the suite."""
+    narrower = fresh_build / f"cc-{march}"
+    narrower.write_text(f'#!/bin/sh\nexec {cpu.compiler()} "$@" -march={march}\n')
+    narrower.chmod(0o755)
+    monkeypatch.setenv("CC", str(narrower))
+    assert cpu.library().na_vector_width() == width
+    for shape in SHAPES[1:4] + [(515, 200, 130, 1)]:
+        check_all(Case(*shape, subset=shape[3] == 5), "cpu")
+    check_all(Case(77, 60, 33, 9, dtype=torch.bfloat16), "cpu")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -469,6 +469,37 @@ static inline float hsum(vf v) {
     return b[0] + b[1];
 }
 
+/* o[q] += the lane sum of aq, q < 4: the four reductions share their shuffles (at k = 20 the per-dot-product lane
+ * sums cost as much as the multiply-adds when done one vector at a time). */
+static inline void hsum4_into(vf a0, vf a1, vf a2, vf a3, float *restrict o) {
+#if VW >= 8
+    typedef float v4 __attribute__((vector_size(16)));
+    typedef float v8 __attribute__((vector_size(32)));
+#if VW == 16
+    /* [a0 | a1] and [a2 | a3], each half the sum of its vector's two halves; then [a0 a1 a2 a3] by quarters */
+    vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+             __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    vf c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    v8 d = __builtin_shufflevector(c, c, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(c, c, 2, 3, 6, 7, 10, 11,
+                                                                                                14, 15);
+#else
+    vf b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a0, a1, 4, 5, 6, 7,
+                                                                                                  12, 13, 14, 15);
+    vf b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a2, a3, 4, 5, 6, 7,
+                                                                                                  12, 13, 14, 15);
+    v8 d = __builtin_shufflevector(b01, b23, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b01, b23, 2, 3, 6, 7, 10, 11, 14, 15);
+#endif
+    v4 e = __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
+    o[0] += e[0], o[1] += e[1], o[2] += e[2], o[3] += e[3];
+#else
+    o[0] += hsum(a0), o[1] += hsum(a1), o[2] += hsum(a2), o[3] += hsum(a3);
+#endif
+}
+
 static inline vf gather(const float *base, vi idx) {
 #if VW == 16
     return (vf)_mm512_i32gather_ps((__m512i)idx, base, 4);
@@ -504,7 +535,7 @@ static inline __attribute__((always_inline)) void grad_neuron(const vf *restrict
                  *x2 = (const vf *)(xt + (int64_t)ci[j + 2] * ld), *x3 = (const vf *)(xt + (int64_t)ci[j + 3] * ld);
         vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t v = 0; v < nv; v++) a0 += g[v] * x0[v], a1 += g[v] * x1[v], a2 += g[v] * x2[v], a3 += g[v] * x3[v];
-        oi[j] += hsum(a0), oi[j + 1] += hsum(a1), oi[j + 2] += hsum(a2), oi[j + 3] += hsum(a3);
+        hsum4_into(a0, a1, a2, a3, oi + j);
     }
     for (; j < k; j++) {
         const vf *x0 = (const vf *)(xt + (int64_t)ci[j] * ld);
