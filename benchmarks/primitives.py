@@ -27,6 +27,7 @@ from torch import nn
 
 from peft_neuroada import NeuroAdaConfig, kernels
 from peft_neuroada.budget import lora_rank_for_k
+from peft_neuroada.kernels import cpu as cpu_kernels
 
 
 @dataclass
@@ -315,6 +316,28 @@ def run(
     return rows
 
 
+def delta_grad_phases(layer: Layer, repeats: int) -> list[str]:
+    """Where the C delta gradient's time goes, one row: microseconds of the whole call, of each phase on the calling
+    thread (`cpu.SAMPLED_GRAD_PHASES`), of the rest (index checks, scratch, adding the other threads' partial sums),
+    and what its n*k*T multiply-adds would take at the dense base matmul's rate. Calls alternate with that matmul, so
+    the kernel reads its inputs as in a backward pass, not from a cache it just warmed itself."""
+    recorded: list[dict[str, float]] = []
+
+    def profiled() -> None:
+        phases: dict[str, float] = {}
+        cpu_kernels.sampled_grad(layer.x, layer.grad_out, layer.cols, None, phases)
+        recorded.append(phases)
+
+    profiled()
+    recorded.clear()
+    samples = interleaved_samples({"matmul": lambda: fwd_base(layer), "delta grad": profiled}, repeats)
+    matmul, call = (statistics.median(samples[name][0]) for name in ("matmul", "delta grad"))
+    phases = [statistics.median(p[name] for p in recorded) for name in cpu_kernels.SAMPLED_GRAD_PHASES]
+    at_matmul_rate = matmul * layer.k / layer.weight.shape[1]
+    us = [call, *phases, call - sum(phases), at_matmul_rate]
+    return [str(layer.k), *(f"{t * 1e6:,.0f} ({t / matmul:.2f})" for t in us)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -335,6 +358,11 @@ def main() -> None:
         f"kernels {kernels.available_backends(args.device)}, torch {torch.__version__}\n"
     )
     print(markdown_table(["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({clock})"], rows))
+    if args.device == "cpu" and cpu_kernels.available():
+        phases = [delta_grad_phases(Layer.random(args.tokens, args.d_in, args.d_out, k), args.repeats) for k in args.k]
+        print("\nThe C delta gradient, phase by phase: wall us (/ base matmul wall)\n")
+        header = ["k", "call", *cpu_kernels.SAMPLED_GRAD_PHASES, "rest", "dot products at the matmul's rate"]
+        print(markdown_table(header, phases))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pytest
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.kernels import cpu as cpu_kernels
 from tests.conftest import tiny_llama
 from tests.shared_data import shared_datasets
 
@@ -81,7 +82,8 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
     command += ["--d-out", "40", "--k", "1", "5", "--repeats", "1"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    candidates_table, *phases_table = completed.stdout.split("phase by phase")
+    rows = [line.split("|")[1:-1] for line in candidates_table.splitlines() if line.startswith("| ")][1:]
     timed = {(op.strip(), candidate.strip(), k.strip()) for op, candidate, k, *_ in rows}
     expected_candidates = {
         ("delta grad", "sampled_addmm"),
@@ -94,6 +96,10 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
         for op, candidate in expected_candidates:
             assert (op, candidate.format(k=k), k) in timed, (op, candidate, k)
     assert all(float(row[-1]) > 0 for row in rows)
+    if cpu_kernels.available():  # the C delta gradient's time, split into its phases, once per k
+        (phases_table,) = phases_table
+        first_cells = [line.split("|")[1].strip() for line in phases_table.splitlines() if line.startswith("| ")]
+        assert first_cells == ["k", "1", "5"]
 
 
 def test_a_calls_setup_is_entered_and_left_outside_its_timing(monkeypatch) -> None:

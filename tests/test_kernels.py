@@ -14,6 +14,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -375,6 +376,18 @@ def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others
     assert kernels.patches_entries(weight, torch.zeros(4, 1))
     assert not kernels.patches_entries(weight.bfloat16(), torch.zeros(4, 1, dtype=torch.bfloat16))
     assert not kernels.patches_entries(weight, torch.zeros(4, 1, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_the_c_delta_gradient_reports_where_its_time_goes_when_asked(two_intra_op_threads):
+    case = Case(700, 64, 96, 8, subset=True)
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
+    got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, phases)
+    elapsed = time.perf_counter() - start
+    assert torch.equal(got, cpu.sampled_grad(case.x, case.grad, case.cols, case.rows))
+    assert list(phases) == list(cpu.SAMPLED_GRAD_PHASES)
+    assert all(seconds > 0 for seconds in phases.values()) and sum(phases.values()) <= elapsed
 
 
 @pytest.fixture

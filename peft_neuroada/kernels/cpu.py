@@ -44,6 +44,9 @@ TOKEN_BLOCK = 64
 # time of the transposed layout there; from k = 2 on the transposed layout wins.
 FORWARD_GATHER_MAX_K = 1
 
+# What the delta gradient's calling thread does per token block, in order (`sampled_grad(..., phases=)`).
+SAMPLED_GRAD_PHASES = ("pack x^T", "pack grad^T", "dot products")
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Index dtypes and their codes in the C kernels.
 INDEX_CODES = {torch.int32: 0, torch.int64: 1, torch.int16: 2}
@@ -123,7 +126,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     matrix = [p, i64, i64, i]  # data, token stride, feature stride, dtype
     placement = [p, i, p, i]  # cols, index dtype, rows, index dtype
     sizes = [i64] * 5  # T, d_in, d_out, n, k
-    lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i]
+    lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i, p]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
     weight = [p, i64, i64]  # data, row stride, column stride
@@ -200,17 +203,26 @@ def _required() -> ctypes.CDLL:
 
 
 def sampled_grad(
-    x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None
+    x2d: torch.Tensor,
+    grad2d: torch.Tensor,
+    cols: torch.Tensor,
+    rows: torch.Tensor | None,
+    phases: dict[str, float] | None = None,
 ) -> torch.Tensor:
+    """`phases`, when given, receives the seconds the calling thread spent in each of `SAMPLED_GRAD_PHASES` (where a
+    call's time goes: benchmarks/primitives.py)."""
     lib = _required()
     n, k = cols.shape
     out = torch.empty(n, k, dtype=torch.float32)
     place, cols, rows = _placement(cols, rows)
     sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
+    seconds = (ctypes.c_double * len(SAMPLED_GRAD_PHASES))() if phases is not None else None
     status = lib.na_sampled_grad(
-        *_matrix(x2d), *_matrix(grad2d), *place, *sizes, out.data_ptr(), TOKEN_BLOCK, torch.get_num_threads()
+        *_matrix(x2d), *_matrix(grad2d), *place, *sizes, out.data_ptr(), TOKEN_BLOCK, torch.get_num_threads(), seconds
     )
     _check(status)
+    if phases is not None:
+        phases.update(zip(SAMPLED_GRAD_PHASES, seconds, strict=True))
     return out
 
 

@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -519,8 +520,15 @@ typedef struct {
     const placement *p;
     float *out;     /* (n, k), written by worker 0 */
     float *partial; /* (workers - 1, n, k) for the other workers */
+    double *phases; /* NULL, or seconds worker 0 spent packing x^T, packing g^T and in the dot products */
     int status;
 } grad_ctx;
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 /* One neuron's k dot products over a block: its gradient row (nv vectors) is loaded once and kept in registers while
  * the x^T rows of four columns at a time stream past. Inlined with nv a constant for full blocks (fully unrolled). */
@@ -556,10 +564,14 @@ static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         free(xt), free(gt);
         return;
     }
+    double *phases = worker == 0 ? c->phases : NULL, t[4] = {0};
     for (int64_t b = b0; b < b1; b++) {
         int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
+        if (phases) t[0] = seconds_now();
         pack_transposed(c->x, t0, len, p->d_in, NULL, xt, ld);
+        if (phases) t[1] = seconds_now();
         pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
+        if (phases) t[2] = seconds_now();
         for (int64_t i = 0; i < n; i++) {
             const vf *gi = (const vf *)(gt + i * ld);
             if (nv == FULL_VECS)
@@ -567,13 +579,17 @@ static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
             else
                 grad_neuron(gi, xt, ld, p->cols + i * k, out + i * k, k, nv);
         }
+        if (phases) {
+            t[3] = seconds_now();
+            for (int q = 0; q < 3; q++) phases[q] += t[q + 1] - t[q];
+        }
     }
     free(xt), free(gt);
 }
 
 int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void *g, int64_t gs0, int64_t gs1,
                     int gdt, const void *cols, int cdt, const void *rows, int rdt, int64_t T, int64_t d_in,
-                    int64_t d_out, int64_t n, int64_t k, float *out, int64_t tb, int workers) {
+                    int64_t d_out, int64_t n, int64_t k, float *out, int64_t tb, int workers, double *phases) {
     placement p;
     int status = make_placement(&p, cols, cdt, rows, rdt, NULL, 0, T, d_in, d_out, n, k, tb, 0);
     if (status != NA_OK || n * k == 0) {
@@ -590,7 +606,7 @@ int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void
     }
     memset(out, 0, (size_t)size * 4);
     if (partial) memset(partial, 0, (size_t)(workers - 1) * size * 4);
-    grad_ctx ctx = {&mx, &mg, &p, out, partial, NA_OK};
+    grad_ctx ctx = {&mx, &mg, &p, out, partial, phases, NA_OK};
     parallel_for(workers, blocks, grad_dot_blocks, &ctx);
     for (int w = 1; w < workers; w++)
         for (int64_t e = 0; e < size; e++) out[e] += partial[(w - 1) * size + e];
