@@ -433,18 +433,24 @@ def test_c_kernels_run_on_torchs_own_openmp_threads(two_intra_op_threads):
     assert len(_mapped_libraries("libgomp")) == 1, _mapped_libraries("libgomp")
 
 
+def use_compiler_script(monkeypatch, path: Path, before: str = "", after: str = "") -> None:
+    """Build the kernels with a shell script as `CC`: `before` runs first, then the real compiler with the build's
+    arguments followed by `after`."""
+    path.write_text(f'#!/bin/sh\n{before}exec {cpu.compiler()} "$@"{after}\n')
+    path.chmod(0o755)
+    monkeypatch.setenv("CC", str(path))
+
+
 @pytest.mark.skipif(cpu.compiler() is None or sys.platform != "linux", reason="needs a C compiler on Linux")
 def test_a_compiler_without_openmp_builds_kernels_on_their_own_threads(fresh_build, monkeypatch, two_intra_op_threads):
-    refusing = fresh_build / "cc-without-openmp"
-    refusing.write_text(f'#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec {cpu.compiler()} "$@"\n')
-    refusing.chmod(0o755)
-    monkeypatch.setenv("CC", str(refusing))
+    use_compiler_script(monkeypatch, fresh_build / "cc-without-openmp", 'case "$*" in *-fopenmp*) exit 1;; esac\n')
     assert cpu.library().na_uses_openmp() == 0
     check_all(Case(1024, 64, 96, 8, subset=True), "cpu")
 
 
 def _cpu_flags() -> set[str]:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    """The feature flags in the CPU identity the kernel cache is keyed by (empty where /proc/cpuinfo lists none)."""
+    lines = cpu._cpu_identity().splitlines()
     return {flag for line in lines if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
@@ -465,10 +471,7 @@ X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsav
 def test_kernels_built_for_narrower_vector_units_give_the_same_products(fresh_build, monkeypatch, march, width):
     """The vector width is fixed when the library is built for the machine (-march=native); older CPUs get the 8- and
     4-lane code paths, checked here on whatever CPU runs the suite."""
-    narrower = fresh_build / f"cc-{march}"
-    narrower.write_text(f'#!/bin/sh\nexec {cpu.compiler()} "$@" -march={march}\n')
-    narrower.chmod(0o755)
-    monkeypatch.setenv("CC", str(narrower))
+    use_compiler_script(monkeypatch, fresh_build / f"cc-{march}", after=f" -march={march}")
     assert cpu.library().na_vector_width() == width
     for shape in SHAPES[1:4] + [(515, 200, 130, 1)]:
         check_all(Case(*shape, subset=shape[3] == 5), "cpu")
