@@ -317,10 +317,11 @@ def run(
 
 
 def delta_grad_phases(layer: Layer, repeats: int) -> list[str]:
-    """Where the C delta gradient's time goes, one row: microseconds of the whole call, of each phase on the calling
-    thread (`cpu.SAMPLED_GRAD_PHASES`), of the rest (index checks, scratch, adding the other threads' partial sums),
-    and what its n*k*T multiply-adds would take at the dense base matmul's rate. Calls alternate with that matmul, so
-    the kernel reads its inputs as in a backward pass, not from a cache it just warmed itself."""
+    """Where the C delta gradient's time goes, one row: the layout it takes for k here, microseconds of the whole call,
+    of each phase on the calling thread (`cpu.SAMPLED_GRAD_PHASES`), of the rest (index checks, scratch, adding the
+    other threads' partial sums), and what its n*k*T multiply-adds would take at the dense base matmul's rate. Calls
+    alternate with that matmul, so the kernel reads its inputs as in a backward pass, not from a cache it just warmed
+    itself."""
     recorded: list[dict[str, float]] = []
 
     def profiled() -> None:
@@ -335,7 +336,8 @@ def delta_grad_phases(layer: Layer, repeats: int) -> list[str]:
     phases = [statistics.median(p[name] for p in recorded) for name in cpu_kernels.SAMPLED_GRAD_PHASES]
     at_matmul_rate = matmul * layer.k / layer.weight.shape[1]
     us = [call, *phases, call - sum(phases), at_matmul_rate]
-    return [str(layer.k), *(f"{t * 1e6:,.0f} ({t / matmul:.2f})" for t in us)]
+    layout = cpu_kernels.sampled_grad_layout(layer.k)
+    return [str(layer.k), layout, *(f"{t * 1e6:,.0f} ({t / matmul:.2f})" for t in us)]
 
 
 def main() -> None:
@@ -361,7 +363,7 @@ def main() -> None:
     if args.device == "cpu" and cpu_kernels.available():
         phases = [delta_grad_phases(Layer.random(args.tokens, args.d_in, args.d_out, k), args.repeats) for k in args.k]
         print("\nThe C delta gradient, phase by phase: wall us (/ base matmul wall)\n")
-        header = ["k", "call", *cpu_kernels.SAMPLED_GRAD_PHASES, "rest", "dot products at the matmul's rate"]
+        header = ["k", "layout", "call", *cpu_kernels.SAMPLED_GRAD_PHASES, "rest", "products at the matmul's rate"]
         print(markdown_table(header, phases))
 
 

@@ -113,6 +113,38 @@ def test_half_precision_inputs_accumulate_in_float32(backend, device, dtype, k):
     check_all(Case(515, 200, 130, k, subset=k == 20, dtype=dtype, device=device), backend)
 
 
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("layout", sorted(cpu.SAMPLED_GRAD_LAYOUTS))
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize(
+    "tokens, d_in, d_out, subset, dtype",
+    [
+        (515, 200, 96, False, torch.float32),  # whole vectors of neurons: gradient rows read in place
+        (37, 50, 70, False, torch.float32),  # a ragged last vector of neurons
+        (130, 33, 40, True, torch.float32),  # a subset of neurons
+        (77, 60, 33, True, torch.bfloat16),  # rows converted to float32 first
+    ],
+)
+def test_both_layouts_of_the_c_delta_gradient_match_the_dense_reference(layout, k, tokens, d_in, d_out, subset, dtype):
+    """Whichever layout this machine's library picks for a k, the other one is checked too."""
+    case = Case(tokens, d_in, d_out, k, subset=subset, dtype=dtype)
+    got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, layout=layout)
+    assert_matches(got, case.sampled_grad(), torch.float32)
+    transposed_x = case.x.T.contiguous().T
+    assert_matches(
+        cpu.sampled_grad(transposed_x, case.grad, case.cols, case.rows, layout=layout),
+        case.sampled_grad(),
+        torch.float32,
+    )
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_the_gather_layout_of_the_c_delta_gradient_refuses_more_columns_than_its_registers_hold():
+    case = Case(20, 30, 16, 9)
+    with pytest.raises(RuntimeError, match="invalid sizes"):
+        cpu.sampled_grad(case.x, case.grad, case.cols, None, layout="gather")
+
+
 @pytest.mark.parametrize("backend, device", BACKENDS_ON_DEVICES)
 def test_strided_inputs_are_read_in_place(backend, device):
     """Transposed views (feature-major) and column slices (feature stride 2) give the same products."""
@@ -379,13 +411,14 @@ def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_the_c_delta_gradient_reports_where_its_time_goes_when_asked(two_intra_op_threads):
-    case = Case(700, 64, 96, 8, subset=True)
+@pytest.mark.parametrize("layout", sorted(cpu.SAMPLED_GRAD_LAYOUTS))
+def test_the_c_delta_gradient_reports_where_its_time_goes_when_asked(two_intra_op_threads, layout):
+    case = Case(700, 64, 96, 8, subset=True, dtype=torch.bfloat16)  # both layouts convert (pack) x and grad
     phases: dict[str, float] = {}
     start = time.perf_counter()
-    got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, phases)
+    got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, phases, layout)
     elapsed = time.perf_counter() - start
-    assert torch.equal(got, cpu.sampled_grad(case.x, case.grad, case.cols, case.rows))
+    assert torch.equal(got, cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, layout=layout))
     assert list(phases) == list(cpu.SAMPLED_GRAD_PHASES)
     assert all(seconds > 0 for seconds in phases.values()) and sum(phases.values()) <= elapsed
 
@@ -476,6 +509,9 @@ def test_kernels_built_for_narrower_vector_units_give_the_same_products(fresh_bu
     for shape in SHAPES[1:4] + [(515, 200, 130, 1)]:
         check_all(Case(*shape, subset=shape[3] == 5), "cpu")
     check_all(Case(77, 60, 33, 9, dtype=torch.bfloat16), "cpu")
+    for case in (Case(515, 200, 130, 1), Case(77, 60, 33, 3, subset=True, dtype=torch.bfloat16)):
+        got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, layout="gather")
+        assert_matches(got, case.sampled_grad(), torch.float32)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

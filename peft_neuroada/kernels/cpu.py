@@ -44,8 +44,17 @@ TOKEN_BLOCK = 64
 # time of the transposed layout there; from k = 2 on the transposed layout wins.
 FORWARD_GATHER_MAX_K = 1
 
-# What the delta gradient's calling thread does per token block, in order (`sampled_grad(..., phases=)`).
-SAMPLED_GRAD_PHASES = ("pack x^T", "pack grad^T", "dot products")
+# The delta gradient's layouts (neuroada_cpu.c). The gather layout wins at k = 1 where gathers are 16 lanes wide
+# (AVX-512): 0.6-0.85x the dot products' time on SmolLM2's and 576 x 1536 layers (docs/performance.md, ninth round),
+# with 16-token blocks (64 and 32 lose on the larger layers); from k = 2 on it is even or slower. Where gathers are
+# narrower (AVX2 on an AMD EPYC) it lost already at k = 1 on the larger layers (fourth round).
+SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
+SAMPLED_GRAD_GATHER_MAX_K = 1
+GATHER_TOKEN_BLOCK = 16
+
+# What the delta gradient's calling thread does per token block, in order (`sampled_grad(..., phases=)`): in the dot
+# layout, x^T and grad^T are packed; in the gather layout, only rows that are not float32 are converted.
+SAMPLED_GRAD_PHASES = ("packing x", "packing grad", "products")
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Index dtypes and their codes in the C kernels.
@@ -126,7 +135,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     matrix = [p, i64, i64, i]  # data, token stride, feature stride, dtype
     placement = [p, i, p, i]  # cols, index dtype, rows, index dtype
     sizes = [i64] * 5  # T, d_in, d_out, n, k
-    lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i64, i, p]
+    lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i, i64, i, p]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
     weight = [p, i64, i64]  # data, row stride, column stride
@@ -208,22 +217,32 @@ def sampled_grad(
     cols: torch.Tensor,
     rows: torch.Tensor | None,
     phases: dict[str, float] | None = None,
+    layout: str | None = None,
 ) -> torch.Tensor:
     """`phases`, when given, receives the seconds the calling thread spent in each of `SAMPLED_GRAD_PHASES` (where a
-    call's time goes: benchmarks/primitives.py)."""
+    call's time goes: benchmarks/primitives.py). `layout` ("dot" or "gather", as tests and benchmarks ask for one)
+    defaults to `sampled_grad_layout(k)`."""
     lib = _required()
     n, k = cols.shape
+    layout = layout or sampled_grad_layout(k)
     out = torch.empty(n, k, dtype=torch.float32)
     place, cols, rows = _placement(cols, rows)
     sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
     seconds = (ctypes.c_double * len(SAMPLED_GRAD_PHASES))() if phases is not None else None
+    block = GATHER_TOKEN_BLOCK if layout == "gather" else TOKEN_BLOCK
     status = lib.na_sampled_grad(
-        *_matrix(x2d), *_matrix(grad2d), *place, *sizes, out.data_ptr(), TOKEN_BLOCK, torch.get_num_threads(), seconds
-    )
+        *_matrix(x2d), *_matrix(grad2d), *place, *sizes, out.data_ptr(), SAMPLED_GRAD_LAYOUTS[layout], block,
+        torch.get_num_threads(), seconds,
+    )  # fmt: skip
     _check(status)
     if phases is not None:
         phases.update(zip(SAMPLED_GRAD_PHASES, seconds, strict=True))
     return out
+
+
+def sampled_grad_layout(k: int) -> str:
+    """The delta gradient's faster layout for k columns per neuron on this machine's library."""
+    return "gather" if k <= SAMPLED_GRAD_GATHER_MAX_K and _required().na_vector_width() == 16 else "dot"
 
 
 def bypass_forward(

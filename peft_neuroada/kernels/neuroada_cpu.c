@@ -12,7 +12,10 @@
  * Layouts. Tokens are walked in blocks of `tb` (a multiple of the vector width), packed into float32 scratch with 8 x 8
  * register transposes (and converted from bfloat16/float16 on the way):
  *  - delta gradient: x^T and g^T of the block (feature-major, token-minor); every neuron's gradient row is read once
- *    for its k columns: k dot products of length tb over rows of x^T that stay in L2, four columns at a time.
+ *    for its k columns: k dot products of length tb over rows of x^T that stay in L2, four columns at a time. For
+ *    k = 1 on AVX-512 the "gather" layout is faster: per token, vectors of 16 neurons gather their inputs from the
+ *    token's row of x and multiply them by the token's gradient row, with no transposes (small token blocks keep the
+ *    rows gathered from in L1).
  *  - forward: x^T of the block; each neuron accumulates its k scaled input rows into a row of y^T, which is
  *    transposed out into y. At k = 1 the "gather" layout is faster: per token, vectors over 16 (AVX-512) or 8
  *    neurons gather their inputs from the token's row of x held in L1, with no transposes.
@@ -66,6 +69,8 @@ int na_uses_openmp(void) { return 0; }
 #define LD(tb) ((tb) + VW)
 /* Vectors per full token block: the block the kernels are unrolled for (cpu.py passes tb = 64). */
 #define FULL_VECS (64 / VW)
+/* The most columns per neuron the delta gradient's gather layout takes: its accumulators live in registers. */
+#define GATHER_GRAD_MAX_K 8
 
 /* ------------------------------------------------------------------------------------------- element conversion */
 
@@ -520,7 +525,7 @@ typedef struct {
     const placement *p;
     float *out;     /* (n, k), written by worker 0 */
     float *partial; /* (workers - 1, n, k) for the other workers */
-    double *phases; /* NULL, or seconds worker 0 spent packing x^T, packing g^T and in the dot products */
+    double *phases; /* NULL, or seconds worker 0 spent packing x, packing g and in the products */
     int status;
 } grad_ctx;
 
@@ -587,11 +592,65 @@ static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     free(xt), free(gt);
 }
 
+/* The gather layout (k <= GATHER_GRAD_MAX_K): for each vector of VW neurons, k accumulators stay in registers over a
+ * block of tokens, each adding the token's gradients times the inputs its columns gather from the token's row of x.
+ * x and g are read where they lie when they are float32 rows (else a block of rows is converted first); between
+ * blocks the accumulators wait in (k, np) scratch, transposed into the worker's (n, k) sums at the end. */
+static void grad_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+    grad_ctx *c = (grad_ctx *)arg;
+    const placement *p = c->p;
+    int64_t tb = p->tb, n = p->n, k = p->k, np = (n + VW - 1) / VW * VW, d_in = p->d_in;
+    int x_rows = c->x->dtype == F32 && c->x->s1 == 1, g_rows = c->g->dtype == F32 && c->g->s1 == 1 && !p->rows;
+    g_rows = g_rows && n == np; /* a vector of neurons reads whole vectors of gradients */
+    float *acc = aligned_buffer(k * np), *xb = x_rows ? NULL : aligned_buffer(d_in * tb);
+    float *gb = g_rows ? NULL : aligned_buffer(np * tb);
+    if (!acc || (!x_rows && !xb) || (!g_rows && !gb)) {
+        c->status = NA_NO_MEMORY;
+        free(acc), free(xb), free(gb);
+        return;
+    }
+    memset(acc, 0, (size_t)(k * np) * 4);
+    double *phases = worker == 0 ? c->phases : NULL, t[4] = {0};
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb;
+        if (phases) t[0] = seconds_now();
+        if (!x_rows) pack_rows(c->x, t0, len, d_in, NULL, xb, d_in);
+        if (phases) t[1] = seconds_now();
+        if (!g_rows) pack_rows(c->g, t0, len, n, p->rows, gb, np);
+        if (phases) t[2] = seconds_now();
+        const float *xs = x_rows ? (const float *)c->x->data + t0 * c->x->s0 : xb;
+        const float *gs = g_rows ? (const float *)c->g->data + t0 * c->g->s0 : gb;
+        int64_t x_ld = x_rows ? c->x->s0 : d_in, g_ld = g_rows ? c->g->s0 : np;
+        for (int64_t i0 = 0; i0 < np; i0 += VW) {
+            vf a[GATHER_GRAD_MAX_K];
+            vi idx[GATHER_GRAD_MAX_K];
+            for (int64_t j = 0; j < k; j++)
+                a[j] = *(const vf *)(acc + j * np + i0), idx[j] = *(const vi *)(p->cols_t + j * np + i0);
+            for (int64_t s = 0; s < len; s++) {
+                vf gv = *(const vfu *)(gs + s * g_ld + i0);
+                for (int64_t j = 0; j < k; j++) a[j] += gv * gather(xs + s * x_ld, idx[j]);
+            }
+            for (int64_t j = 0; j < k; j++) *(vf *)(acc + j * np + i0) = a[j];
+        }
+        if (phases) {
+            t[3] = seconds_now();
+            for (int q = 0; q < 3; q++) phases[q] += t[q + 1] - t[q];
+        }
+    }
+    float *out = worker == 0 ? c->out : c->partial + (worker - 1) * n * k;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < k; j++) out[i * k + j] = acc[j * np + i];
+    free(acc), free(xb), free(gb);
+}
+
+/* layout: 0 dot products, 1 gather (k <= GATHER_GRAD_MAX_K). */
 int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void *g, int64_t gs0, int64_t gs1,
                     int gdt, const void *cols, int cdt, const void *rows, int rdt, int64_t T, int64_t d_in,
-                    int64_t d_out, int64_t n, int64_t k, float *out, int64_t tb, int workers, double *phases) {
+                    int64_t d_out, int64_t n, int64_t k, float *out, int layout, int64_t tb, int workers,
+                    double *phases) {
+    if (layout == 1 && k > GATHER_GRAD_MAX_K) return NA_BAD_ARGUMENT;
     placement p;
-    int status = make_placement(&p, cols, cdt, rows, rdt, NULL, 0, T, d_in, d_out, n, k, tb, 0);
+    int status = make_placement(&p, cols, cdt, rows, rdt, NULL, 0, T, d_in, d_out, n, k, tb, layout == 1);
     if (status != NA_OK || n * k == 0) {
         free_placement(&p);
         return status;
@@ -607,7 +666,7 @@ int na_sampled_grad(const void *x, int64_t xs0, int64_t xs1, int xdt, const void
     memset(out, 0, (size_t)size * 4);
     if (partial) memset(partial, 0, (size_t)(workers - 1) * size * 4);
     grad_ctx ctx = {&mx, &mg, &p, out, partial, phases, NA_OK};
-    parallel_for(workers, blocks, grad_dot_blocks, &ctx);
+    parallel_for(workers, blocks, layout == 1 ? grad_gather_blocks : grad_dot_blocks, &ctx);
     for (int w = 1; w < workers; w++)
         for (int64_t e = 0; e < size; e++) out[e] += partial[(w - 1) * size + e];
     free(partial), free_placement(&p);
