@@ -231,6 +231,15 @@ class NeuroAdaModel(BaseTuner):
             self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
         return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
 
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        """peft's, except when unloading a `modules_to_save` (or trainable-tokens) wrapper: its module only goes back
+        in place. peft's own would give that module the wrapper's `weight`, which fails for a head without one of its
+        own (RoBERTa's `RobertaClassificationHead`, the paper's GLUE runs); LoRA overrides it for the same reason."""
+        if isinstance(child, AuxiliaryTrainingWrapper):
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
+
     def add_weighted_adapter(
         self,
         adapters: list[str],

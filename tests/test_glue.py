@@ -7,11 +7,13 @@ import csv
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from transformers import RobertaConfig, RobertaForSequenceClassification
 
 from peft_neuroada.train import glue
 from peft_neuroada.train.cli import main
@@ -219,14 +221,14 @@ def test_rows_are_the_official_ones_cut_at_max_length_with_a_masked_pad_token_ap
 # neuroada train on a GLUE recipe, offline, with the real MiniLM encoder
 
 
-def glue_recipe(tmp_path, task: str, epochs: int = 2) -> str:
+def glue_recipe(tmp_path, task: str, epochs: int = 2, model: Path | None = None) -> str:
     validation_name = "validation_matched" if task == "mnli" else "validation"
     write(tmp_path / "data" / task / "train.csv", records(task, 32))
     write(tmp_path / "data" / task / f"{validation_name}.csv", records(task, 24, seed=1))
     path = tmp_path / f"{task}.yaml"
     path.write_text(
         f"""
-model: {minilm_path()}
+model: {model or minilm_path()}
 protocol: paper
 task: glue
 output_dir: {tmp_path / "run"}
@@ -275,6 +277,21 @@ def test_train_keeps_the_best_epoch_and_reports_it_on_the_held_out_examples(task
     labels = [row["labels"] for row in in_training]
     best = glue.score(data.task, glue.classify(model, in_training, 8, tokenizer.pad_token_id), labels)
     assert best == pytest.approx(results["in_training_score"], abs=1e-6), "the saved adapter is the best epoch's"
+
+
+def test_a_roberta_recipe_scores_its_merged_model(tmp_path, minilm_tokenizer):
+    """The paper's GLUE runs adapt RoBERTa, whose classification head (dense + out_proj, no weight of its own) trains
+    through `modules_to_save` and is merged with the deltas before scoring. A small random RoBERTa, with the MiniLM
+    tokenizer's vocabulary."""
+    config = RobertaConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=64, max_position_embeddings=40, type_vocab_size=2,
+                           pad_token_id=minilm_tokenizer.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    RobertaForSequenceClassification(config).save_pretrained(tmp_path / "roberta")
+    minilm_tokenizer.save_pretrained(tmp_path / "roberta")
+    assert main(["train", glue_recipe(tmp_path, "rte", epochs=1, model=tmp_path / "roberta")]) == 0
+    results = json.loads((tmp_path / "run" / "results" / "results.json").read_text())
+    assert results["merged"] is True and 0 <= results["score"] <= 1 and results["head_parameters"] > 0
 
 
 def test_eval_reproduces_the_score_and_another_seed_splits_otherwise(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model, inject_adapter_in_model
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import RobertaConfig, RobertaForSequenceClassification, Trainer, TrainingArguments
+from transformers.models.roberta.modeling_roberta import RobertaClassificationHead
 
 from peft_neuroada import NeuroAdaConfig, select_by_gradient
 from tests.conftest import (
@@ -232,6 +233,31 @@ def test_modules_to_save_head_round_trips_through_save_and_reload(minilm_classif
     model.save_pretrained(tmp_path)
     reloaded = PeftModel.from_pretrained(real_minilm_classifier(head_seed=1), tmp_path)
     assert torch.equal(logits_of(reloaded, batch), expected)
+
+
+@pytest.mark.parametrize("unload", ["merge_and_unload", "unload"])
+def test_unloading_keeps_a_trained_head_that_has_no_weight_of_its_own(unload):
+    """RoBERTa's classification head (dense + out_proj: the paper's GLUE runs) comes out of `modules_to_save` as
+    trained, as LoRA's does, with the deltas merged (`merge_and_unload`) or dropped (`unload`)."""
+    config = RobertaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=40, num_labels=3)  # fmt: skip
+    torch.manual_seed(0)
+    model = get_peft_model(
+        RobertaForSequenceClassification(config).eval(),
+        NeuroAdaConfig(k=2, init_weights=False, target_modules=["query", "value"], modules_to_save=["classifier"]),
+    )
+    head = model.base_model.model.classifier.modules_to_save["default"]
+    with torch.no_grad():
+        head.out_proj.weight.add_(1.0)  # stands in for training the head copy
+        if unload == "unload":  # what the model computes without its deltas
+            for name, parameter in model.named_parameters():
+                if "neuroada_delta" in name:
+                    parameter.zero_()
+    ids = torch.randint(3, 60, (2, 9))
+    expected = model(ids).logits
+    unloaded = getattr(model, unload)()
+    assert isinstance(unloaded.classifier, RobertaClassificationHead) and unloaded.classifier is head
+    torch.testing.assert_close(unloaded(ids).logits, expected)
 
 
 def test_print_trainable_parameters_reports_the_trainable_share_of_all_parameters(minilm_classifier, capsys):
