@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
-from peft_neuroada.train import glue
+from peft_neuroada.train import glue, runs
 from peft_neuroada.train.cli import main
 from peft_neuroada.train.glue import (
     GLUE_TASKS,
@@ -27,7 +27,7 @@ from peft_neuroada.train.glue import (
     pearson_correlation,
     split_validation,
 )
-from peft_neuroada.train.models import load_adapted_model, load_tokenizer
+from peft_neuroada.train.models import load_adapted_model, load_base_model, load_tokenizer
 from peft_neuroada.train.recipes import load_recipe
 from peft_neuroada.train.training import glue_data
 from tests.conftest import minilm_path
@@ -292,6 +292,23 @@ def test_a_roberta_recipe_scores_its_merged_model(tmp_path, minilm_tokenizer):
     assert main(["train", glue_recipe(tmp_path, "rte", epochs=1, model=tmp_path / "roberta")]) == 0
     results = json.loads((tmp_path / "run" / "results" / "results.json").read_text())
     assert results["merged"] is True and 0 <= results["score"] <= 1 and results["head_parameters"] > 0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_held_out_examples_are_scored_under_the_autocast_the_recipe_trains_with(bf16, tmp_path, monkeypatch):
+    """As the official code's final test, which runs the model accelerate wrapped for bf16 mixed-precision training."""
+    recipe = load_recipe(glue_recipe(tmp_path, "rte"), [f"training.bf16={str(bf16).lower()}"])
+    data = glue_data(recipe)
+    model, tokenizer = load_base_model(recipe.model, "float32", recipe.protocol, 32, data.task.num_labels)
+    autocast, classify = [], runs.classify
+
+    def recording_autocast(*args):
+        autocast.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return classify(*args)
+
+    monkeypatch.setattr(runs, "classify", recording_autocast)
+    runs.evaluate_glue_model(recipe, model, tokenizer, data, tmp_path / "scored", "base model")
+    assert autocast == [bf16]
 
 
 def test_eval_reproduces_the_score_and_another_seed_splits_otherwise(tmp_path):

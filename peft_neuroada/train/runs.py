@@ -18,7 +18,7 @@ from .models import load_adapted_model, load_base_model
 from .protocols import get_protocol
 from .recipes import Recipe
 from .scoring import accuracy_by_task, read_predictions, score_predictions, write_predictions
-from .training import GlueData, GlueTraining, fine_tune, fine_tune_glue, glue_data
+from .training import GlueData, GlueTraining, fine_tune, fine_tune_glue, glue_data, training_autocast
 
 
 @dataclass
@@ -52,11 +52,14 @@ def evaluate_recipe_model(
     output_dir: Path,
     label: str,
 ) -> dict[str, float]:
-    """Score `model` on the recipe's evaluation tasks and write results.json/.csv and predictions to `output_dir`."""
+    """Score `model` on the recipe's evaluation tasks (under the autocast it trains with) and write results.json/.csv
+    and predictions to `output_dir`."""
     spec = recipe.evaluation
     if not spec.tasks:
         return {}
-    results = evaluate_tasks(_for_evaluation(recipe, model), tokenizer, recipe.data.dir, spec, recipe.protocol)
+    model = _for_evaluation(recipe, model)
+    with training_autocast(recipe, model):
+        results = evaluate_tasks(model, tokenizer, recipe.data.dir, spec, recipe.protocol)
     metadata = {
         "recipe": recipe.name,
         "model": recipe.model,
@@ -78,11 +81,13 @@ def evaluate_glue_model(
     label: str,
     training: GlueTraining | None = None,
 ) -> dict[str, float]:
-    """Score `model` on the held-out validation examples of the recipe's GLUE task and write results.json/.csv and
-    the predictions to `output_dir`."""
+    """Score `model` on the held-out validation examples of the recipe's GLUE task (under the autocast it trains
+    with) and write results.json/.csv and the predictions to `output_dir`."""
     task = data.task
     rows = encode(task, data.validation.select(data.held_out), tokenizer, recipe.data.max_length)
-    logits = classify(_for_evaluation(recipe, model), rows, recipe.evaluation.batch_size, tokenizer.pad_token_id)
+    model = _for_evaluation(recipe, model)
+    with training_autocast(recipe, model):
+        logits = classify(model, rows, recipe.evaluation.batch_size, tokenizer.pad_token_id)
     labels = [row["labels"] for row in rows]
     value = score(task, logits, labels)
     metadata = {

@@ -7,6 +7,7 @@ does (train_our.py L584-L587: evaluation and a checkpoint per epoch, the best on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -58,6 +59,15 @@ def use_bf16(setting: str | bool) -> bool:
     if setting == "auto":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return bool(setting)
+
+
+def training_autocast(recipe: Recipe, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The bf16 autocast the recipe trains under (`training.bf16`), to score under as well: the official code scores
+    the very model accelerate wrapped for training, whose forward keeps that autocast (on CUDA it runs layer norms in
+    float32, so a bf16 RoBERTa scores differently without it)."""
+    if not use_bf16(recipe.training.bf16):
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
 
 
 def training_arguments(recipe: Recipe, **overrides: object) -> TrainingArguments:
