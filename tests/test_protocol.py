@@ -15,6 +15,7 @@ from copy import deepcopy
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -454,15 +455,23 @@ def test_paper_tokenizer_pads_right_with_unk_and_adds_a_pad_token_where_there_is
 
     no_unk = sentencepiece_llama_tokenizer(with_unk=False)
     assert no_unk.unk_token is None and no_unk.pad_token is None
-    LlamaForCausalLM(
+    llama = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=len(no_unk), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
         )
-    ).save_pretrained(tmp_path)
+    )
+    with torch.no_grad():  # rows far from the model's initialisation, N(0, 0.02)
+        llama.get_input_embeddings().weight.fill_(3.0)
+        llama.get_output_embeddings().weight.fill_(3.0)
+    llama.save_pretrained(tmp_path)
     no_unk.save_pretrained(tmp_path)
     model, tokenizer = load_base_model(str(tmp_path), protocol="paper", max_length=48)
     assert tokenizer.pad_token == "[PAD]" and tokenizer.pad_token_id == len(no_unk)
     assert model.get_input_embeddings().num_embeddings == len(no_unk) + 1, "embeddings grew to the pad token"
+    for embeddings in (model.get_input_embeddings(), model.get_output_embeddings()):
+        # initialised as the model initialises weights, as transformers 4.45 (the official runs') did; not from the
+        # other rows' mean, as transformers does by default since 4.46
+        assert embeddings.weight[-1].abs().max() < 0.2 and torch.all(embeddings.weight[:-1] == 3.0)
 
 
 @pytest.mark.parametrize("protocol", ["paper", "lenient"])

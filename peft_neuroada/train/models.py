@@ -51,7 +51,8 @@ def load_base_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and its tokenizer: a causal LM, or with `num_labels` a sequence classifier with a new head (drawn
     from torch's global generator; 1 label = regression). Embeddings grow to a tokenizer that gained a pad token
-    (official train_our.py L397-L398, for Llama-3), so its id is valid."""
+    (official train_our.py L397-L398, for Llama-3), so its id is valid; the new rows are initialised as the model
+    initialises weights, as the official runs' transformers 4.45 did (not from the other rows' mean)."""
     path = resolve_model(model)
     if num_labels is None:
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype))
@@ -61,7 +62,7 @@ def load_base_model(
         )
     tokenizer = load_tokenizer(model, protocol, max_length)
     if len(tokenizer) > loaded.get_input_embeddings().num_embeddings:
-        loaded.resize_token_embeddings(len(tokenizer))
+        loaded.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     if loaded.can_generate():
         loaded.generation_config.pad_token_id = tokenizer.pad_token_id
     return loaded, tokenizer
