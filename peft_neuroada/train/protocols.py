@@ -5,8 +5,11 @@ training examples are tokenised and masked, how prompts are encoded for generati
 task gets, what is kept of a generation, and how it is scored.
 
 `paper` is what the official NeuroAda code (FightingFighting/NeuroAda: task_config.py, dataset.py,
-compute_metrics.py, train_our.py, on pyreft 0.0.8) does, quirks included; configs/paper/* use it. It knows two task
-families, as that code does: commonsense and math. `lenient` is this project's earlier protocol (the Alpaca prompt
+compute_metrics.py, train_our.py, on pyreft 0.0.8) does, quirks included; configs/paper/* use it. It knows the two
+task families of the paper's runs, commonsense and math (gsm8k's test set is math's). That code's other tasks are
+not implemented: its `gsm8k` task (GSM8K's training set, LoftQ's prompt, 256 new tokens) and `commonsense_15k`
+(commonsense prompts on a 15k subset), the hyperparameter searches' own settings, and pyreft's alpaca, instruct and
+ultrafeedback tasks. `lenient` is this project's earlier protocol (the Alpaca prompt
 everywhere, the answer read generously from the response) and remains the default for other recipes. GLUE recipes
 have no prompts: glue.py builds their rows as the official code does under either protocol, which sets up only
 their tokenizer (the paper protocol's pad token is unk, as there).
