@@ -81,6 +81,15 @@ def test_weight_one_for_both_equals_the_two_adapters_active_together():
     torch.testing.assert_close(logits(model, TOKENS), together)
 
 
+def test_a_call_written_for_lora_runs_with_its_other_options_at_their_defaults():
+    model = two_adapters()
+    model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "sum")
+    lora_defaults = {"svd_rank": None, "svd_clamp": None, "svd_full_matrices": True, "svd_driver": None}
+    model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "sum_as_lora", "linear", **lora_defaults, density=None)
+    for layer in neuroada_layers(model):
+        assert torch.equal(layer.neuroada_delta["sum_as_lora"], layer.neuroada_delta["sum"])
+
+
 def test_negative_weights_negate_and_cancel():
     model = two_adapters()
     model.add_weighted_adapter(["one"], [-1.0], "negated")
@@ -193,6 +202,10 @@ def svd_combination() -> tuple:
     return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"combination_type": "svd"}
 
 
+def ties_options() -> tuple:
+    return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"density": 0.5, "majority_sign_method": "frequency"}
+
+
 def source_trains_biases() -> tuple:
     return two_adapters(tiny_bert, bias="all"), ["one", "two"], [1.0, 1.0], "mix", {}
 
@@ -217,6 +230,7 @@ REFUSALS = {
     "existing-name": (existing_name, "Adapter with name 'two' already exists"),
     "svd": (svd_combination, "combination_type='linear' only"),
     "cat": (cat_combination, r"combination_type='linear' only \(got 'cat'\).*cat, ties"),
+    "ties-options": (ties_options, r"density=0\.5, majority_sign_method='frequency': options of LoRA's svd, ties"),
     "source-trains-biases": (source_trains_biases, "Cannot weight adapter 'one': it trains biases"),
     "same-module-saved-twice": (
         both_save_the_same_module,
