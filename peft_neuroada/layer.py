@@ -282,6 +282,14 @@ class NeuroAdaLayer(BaseTunerLayer):
                         f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
                         f"that {fits} for this config. Load the adapter on the base model it was trained on."
                     ) from None
+            if saved.shape != expected.shape and self._only_k_differs(attribute, saved, expected):
+                raise ValueError(
+                    f"The NeuroAda adapter's tensors do not match its config at layer '{name}': its {attribute} "
+                    f"holds {saved.shape[1]} per neuron, but the config's k gives {expected.shape[1]}. They come from "
+                    "an adapter with another k (for a saved adapter: its config and weights files do not belong "
+                    "together; save it again from the model it was trained in), or from one trained on a base model "
+                    "with fewer inputs here."
+                )
             if saved.shape != expected.shape:
                 raise ValueError(
                     f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
@@ -291,6 +299,17 @@ class NeuroAdaLayer(BaseTunerLayer):
             if attribute in index_bounds:
                 checked = checked_indices(name, attribute, saved, index_bounds[attribute]).to(INDEX_DTYPE)
                 state_dict[key] = to_buffer(checked, self.in_features) if attribute == "neuroada_indices" else checked
+
+    def _only_k_differs(self, attribute: str, saved: torch.Tensor, expected: torch.Tensor) -> bool:
+        """Whether saved deltas have this layer's neurons but another k that this layer could hold: the config's k
+        disagrees with the file rather than the base model with the adapter (unless k was cut to a smaller layer's
+        inputs where it was trained)."""
+        return (
+            attribute == "neuroada_delta"
+            and saved.dim() == expected.dim() == 2
+            and saved.shape[0] == expected.shape[0]
+            and saved.shape[1] <= self.in_features
+        )
 
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into this layer's quantized weight (requantized: its base values are gone)."""

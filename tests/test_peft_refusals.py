@@ -63,7 +63,7 @@ def test_swapping_in_an_adapter_that_does_not_fit_is_refused_naming_the_layer(tw
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=3)).save_pretrained(tmp_path / "k3")
     model = PeftModel.from_pretrained(tiny_llama(), two_saved_adapters[0])
     before = logits(model, TOKENS)
-    with pytest.raises(ValueError, match="does not fit the base model at layer 'base_model.model.model.layers.0"):
+    with pytest.raises(ValueError, match="tensors do not match its config at layer 'base_model.model.model.layers.0"):
         set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / "k3")), adapter_name="default")
     assert torch.equal(logits(model, TOKENS), before)
 

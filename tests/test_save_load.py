@@ -118,6 +118,16 @@ def test_loading_onto_a_differently_shaped_base_names_the_layer(tmp_path):
         PeftModel.from_pretrained(other, tmp_path)
 
 
+def test_a_config_whose_k_disagrees_with_its_saved_deltas_is_refused_as_such(tmp_path):
+    """The base model is the right one: the message blames the config and the file, not the base."""
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"k": 3}))
+    message = r"tensors do not match its config at layer '.*q_proj': its neuroada_delta holds 2 per neuron, but the"
+    with pytest.raises(ValueError, match=message):
+        PeftModel.from_pretrained(tiny_llama(), tmp_path)
+
+
 def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch):
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
