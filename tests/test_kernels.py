@@ -454,6 +454,17 @@ def test_the_built_library_is_cached_and_reused(fresh_build, monkeypatch):
     assert list(fresh_build.rglob("*.so")) == [built]
 
 
+@pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler")
+def test_the_library_is_built_from_the_source_its_bindings_were_imported_with(fresh_build, monkeypatch):
+    """A source file edited while a process runs (an editable install) never pairs a new library with the argument
+    types declared for the old one."""
+    edited = fresh_build / "neuroada_cpu.c"
+    edited.write_text("int na_sampled_grad(void) { return 3; }  /* another signature */\n")
+    monkeypatch.setattr(cpu, "SOURCE", edited)
+    assert cpu.library() is not None
+    check_all(Case(37, 50, 70, 5), "cpu")
+
+
 def _mapped_libraries(name: str) -> set[str]:
     return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if name in line}
 

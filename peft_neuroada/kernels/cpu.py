@@ -32,6 +32,10 @@ from ..cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("neuroada_cpu.c")
+# The source as this module was imported with it: the library is built from (and cached by) this text, so it always
+# matches the argument types `_declare` gives its functions, also if the file changes while a process runs (an
+# editable install being edited).
+SOURCE_TEXT = SOURCE.read_text()
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
 # Tried first, each dropped when the compiler refuses it: OpenMP, so that the kernels run on the OpenMP team torch
 # uses (libgomp is matched by its soname when the library loads into a torch process: no second pool of threads
@@ -97,7 +101,7 @@ def _cpu_identity() -> str:
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), cc, version, repr((FLAGS, OPTIONAL_FLAGS)), _cpu_identity()]).encode()
+        "\0".join([SOURCE_TEXT, cc, version, repr((FLAGS, OPTIONAL_FLAGS)), _cpu_identity()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / f"neuroada_cpu-{key}.so"
 
@@ -112,22 +116,20 @@ def _optional_flag_choices() -> list[list[str]]:
 
 
 def _build(cc: str, target: Path) -> None:
-    """Compile into a temporary file beside the target and rename it: concurrent builds never see a partial file."""
+    """Compile `SOURCE_TEXT` in a temporary folder beside the target and move the library into place: concurrent
+    builds never see a partial file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    command = [cc, *FLAGS, str(SOURCE), "-o", temporary]
-    *preferred, plain = _optional_flag_choices()
-    try:
+    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+        source, built = Path(folder) / SOURCE.name, Path(folder) / target.name
+        source.write_text(SOURCE_TEXT)
+        command = [cc, *FLAGS, str(source), "-o", str(built)]
+        *preferred, plain = _optional_flag_choices()
         for extra in preferred:
             if subprocess.run([*command, *extra], capture_output=True, timeout=300).returncode == 0:
                 break
         else:
             subprocess.run([*command, *plain], check=True, capture_output=True, timeout=300)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        os.replace(built, target)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
