@@ -50,8 +50,9 @@ FORWARD_GATHER_MAX_K = 1
 
 # The delta gradient's layouts (neuroada_cpu.c). The gather layout wins at k = 1 where gathers are 16 lanes wide
 # (AVX-512): 0.6-0.85x the dot products' time on SmolLM2's and 576 x 1536 layers (docs/performance.md, ninth round),
-# with 16-token blocks (64 and 32 lose on the larger layers); from k = 2 on it is even or slower. Where gathers are
-# narrower (AVX2 on an AMD EPYC) it lost already at k = 1 on the larger layers (fourth round).
+# with 16-token blocks, whose rows stay in L1 (with 64 it loses on the larger layers); from k = 2 on it is even or
+# slower. Where gathers are narrower (AVX2 on an AMD EPYC) it lost already at k = 1 on the larger layers (fourth
+# round).
 SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
 SAMPLED_GRAD_GATHER_MAX_K = 1
 GATHER_TOKEN_BLOCK = 16
