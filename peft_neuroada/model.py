@@ -235,7 +235,8 @@ class NeuroAdaModel(BaseTuner):
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         """peft's, except when unloading a `modules_to_save` (or trainable-tokens) wrapper: its module only goes back
         in place. peft's own would give that module the wrapper's `weight`, which fails for a head without one of its
-        own (RoBERTa's `RobertaClassificationHead`, the paper's GLUE runs); LoRA overrides it for the same reason."""
+        own (RoBERTa's `RobertaClassificationHead`, the paper's GLUE runs). LoRA's override (for quantized weights)
+        copies no weight either."""
         if isinstance(child, AuxiliaryTrainingWrapper):
             setattr(parent, child_name, new_module)
             return

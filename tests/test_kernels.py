@@ -123,19 +123,32 @@ def test_half_precision_inputs_accumulate_in_float32(backend, device, dtype, k):
         (37, 50, 70, False, torch.float32),  # a ragged last vector of neurons
         (130, 33, 40, True, torch.float32),  # a subset of neurons
         (77, 60, 33, True, torch.bfloat16),  # rows converted to float32 first
+        (5, 20, 48, False, torch.float16),  # fewer tokens than a block
     ],
 )
 def test_both_layouts_of_the_c_delta_gradient_match_the_dense_reference(layout, k, tokens, d_in, d_out, subset, dtype):
-    """Whichever layout this machine's library picks for a k, the other one is checked too."""
+    """Whichever layout this machine's library picks for a k, the other one is checked too, also on a transposed x
+    and a gradient with feature stride 2."""
     case = Case(tokens, d_in, d_out, k, subset=subset, dtype=dtype)
-    got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, layout=layout)
-    assert_matches(got, case.sampled_grad(), torch.float32)
-    transposed_x = case.x.T.contiguous().T
-    assert_matches(
-        cpu.sampled_grad(transposed_x, case.grad, case.cols, case.rows, layout=layout),
-        case.sampled_grad(),
-        torch.float32,
-    )
+    strided_grad = torch.zeros(tokens, 2 * d_out, dtype=dtype)[:, ::2].copy_(case.grad)
+    for x, grad in ((case.x, case.grad), (case.x.T.contiguous().T, strided_grad)):
+        got = cpu.sampled_grad(x, grad, case.cols, case.rows, layout=layout)
+        assert_matches(got, case.sampled_grad(), torch.float32)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_the_k1_layout_is_measured_once_per_machine_and_recorded_beside_the_library(fresh_build, monkeypatch):
+    """Every process on a machine takes the same layout (the two round differently) without measuring again;
+    half-precision inputs and k >= 2 take the dot products, whatever the measurement."""
+    measured = []
+    monkeypatch.setattr(cpu, "_measure_gather", lambda: (measured.append(1), (True, "measured"))[1])
+    assert cpu.sampled_grad_layout(1) == "gather" and measured == [1]
+    (record,) = fresh_build.rglob("neuroada_cpu-*.layout")
+    assert record.read_text() == "gather (measured)\n"
+    assert cpu.sampled_grad_layout(1, (torch.bfloat16, torch.float32)) == "dot" and cpu.sampled_grad_layout(2) == "dot"
+    record.write_text("dot (recorded by another process)\n")
+    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)  # as a new process loads the library
+    assert cpu.sampled_grad_layout(1) == "dot" and measured == [1]
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -418,7 +431,7 @@ def test_the_c_delta_gradient_reports_where_its_time_goes_when_asked(two_intra_o
     start = time.perf_counter()
     got = cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, phases, layout)
     elapsed = time.perf_counter() - start
-    assert torch.equal(got, cpu.sampled_grad(case.x, case.grad, case.cols, case.rows, layout=layout))
+    assert_matches(got, case.sampled_grad(), torch.float32)
     assert list(phases) == list(cpu.SAMPLED_GRAD_PHASES)
     assert all(seconds > 0 for seconds in phases.values()) and sum(phases.values()) <= elapsed
 
@@ -442,6 +455,14 @@ def test_without_a_working_compiler_everything_falls_back_to_torch_ops(fresh_bui
     assert not list(fresh_build.rglob("*.so"))
     with pytest.raises(RuntimeError, match="not available"):
         kernels.sampled_grad(case.x, case.grad, case.cols, case.rows, backend="cpu")
+
+
+def test_a_missing_kernel_source_falls_back_to_torch_ops(fresh_build, monkeypatch, caplog):
+    """A stripped install without neuroada_cpu.c still imports (the source is read at import) and computes."""
+    monkeypatch.setattr(cpu, "SOURCE_TEXT", None)
+    assert kernels.available_backends("cpu") == ["torch"]
+    assert "neuroada_cpu.c is missing; using the slower torch ops" in caplog.text
+    check_all(Case(12, 9, 7, 3), "auto")
 
 
 @pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler")

@@ -12,6 +12,7 @@ and the dispatcher uses the torch ops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -34,8 +36,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("neuroada_cpu.c")
 # The source as this module was imported with it: the library is built from (and cached by) this text, so it always
 # matches the argument types `_declare` gives its functions, also if the file changes while a process runs (an
-# editable install being edited).
-SOURCE_TEXT = SOURCE.read_text()
+# editable install being edited). None where the file is missing (a stripped install): the torch ops serve then.
+try:
+    SOURCE_TEXT: str | None = SOURCE.read_text()
+except OSError:
+    SOURCE_TEXT = None
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
 # Tried first, each dropped when the compiler refuses it: OpenMP, so that the kernels run on the OpenMP team torch
 # uses (libgomp is matched by its soname when the library loads into a torch process: no second pool of threads
@@ -48,11 +53,11 @@ TOKEN_BLOCK = 64
 # time of the transposed layout there; from k = 2 on the transposed layout wins.
 FORWARD_GATHER_MAX_K = 1
 
-# The delta gradient's layouts (neuroada_cpu.c). The gather layout wins at k = 1 where gathers are 16 lanes wide
-# (AVX-512): 0.6-0.85x the dot products' time on SmolLM2's and 576 x 1536 layers (docs/performance.md, ninth round),
-# with 16-token blocks, whose rows stay in L1 (with 64 it loses on the larger layers); from k = 2 on it is even or
-# slower. Where gathers are narrower (AVX2 on an AMD EPYC) it lost already at k = 1 on the larger layers (fourth
-# round).
+# The delta gradient's layouts (neuroada_cpu.c). The gather layout depends on how fast the CPU gathers: on an
+# AVX-512 Intel Xeon it took 0.6-0.85x the dot layout's time at k = 1 on SmolLM2's and 576 x 1536 layers, with
+# 16-token blocks whose rows stay in L1 (docs/performance.md, ninth round), and from k = 2 on it is even or slower;
+# on an AMD EPYC it lost already at k = 1 (fourth round, 1.2-1.3x). So at k = 1 each machine measures the two once
+# (`gather_measured_faster`). It converts half-precision rows element by element: float32 inputs only.
 SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
 SAMPLED_GRAD_GATHER_MAX_K = 1
 GATHER_TOKEN_BLOCK = 16
@@ -167,6 +172,9 @@ def _load(cc: str | None) -> ctypes.CDLL | None:
     if cc is None:
         logger.warning("peft-neuroada: no C compiler found (set CC); using the slower torch ops for sparse products")
         return None
+    if SOURCE_TEXT is None:
+        logger.warning("peft-neuroada: %s is missing; using the slower torch ops for sparse products", SOURCE)
+        return None
     try:
         path = _library_path(cc)
         if not path.exists():
@@ -227,7 +235,7 @@ def sampled_grad(
     defaults to `sampled_grad_layout(k)`."""
     lib = _required()
     n, k = cols.shape
-    layout = layout or sampled_grad_layout(k)
+    layout = layout or sampled_grad_layout(k, (x2d.dtype, grad2d.dtype))
     out = torch.empty(n, k, dtype=torch.float32)
     place, cols, rows = _placement(cols, rows)
     sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
@@ -243,9 +251,60 @@ def sampled_grad(
     return out
 
 
-def sampled_grad_layout(k: int) -> str:
-    """The delta gradient's faster layout for k columns per neuron on this machine's library."""
-    return "gather" if k <= SAMPLED_GRAD_GATHER_MAX_K and _required().na_vector_width() == 16 else "dot"
+def sampled_grad_layout(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
+    """The delta gradient's faster layout for k columns per neuron and inputs of `dtypes` on this machine."""
+    gather = k <= SAMPLED_GRAD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes)
+    return "gather" if gather and gather_measured_faster() else "dot"
+
+
+def gather_measured_faster() -> bool:
+    """Whether the gather layout beat the dot layout at k = 1 on this machine: measured once per library (SmolLM2's
+    576 -> 576 shape, 512 tokens, the faster of five calls each) and recorded beside it, so that every process on the
+    machine takes the same layout (the two round differently) and the measurement is not repeated."""
+    lib = _required()
+    known = vars(lib).get("gather_faster")  # (a plain getattr would look the name up as a C symbol)
+    if known is None:
+        record = Path(lib._name).with_suffix(".layout")
+        try:
+            known = record.read_text().split()[0] == "gather"
+        except (OSError, IndexError):
+            known, detail = _measure_gather()
+            _write_quietly(record, f"{'gather' if known else 'dot'} ({detail})\n")
+        lib.gather_faster = known
+    return known
+
+
+def _measure_gather() -> tuple[bool, str]:
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(512, 576, generator=generator), torch.randn(512, 576, generator=generator)
+    cols = torch.randint(0, 576, (576, 1), generator=generator)
+    seconds: dict[str, list[float]] = {layout: [] for layout in SAMPLED_GRAD_LAYOUTS}
+    for _ in range(5):
+        for layout, times in seconds.items():
+            start = time.perf_counter()
+            sampled_grad(x, grad, cols, None, layout=layout)
+            times.append(time.perf_counter() - start)
+    fastest = {layout: min(times) for layout, times in seconds.items()}
+    detail = ", ".join(f"{layout} {t * 1e6:.0f} us" for layout, t in fastest.items())
+    return fastest["gather"] < fastest["dot"], f"k=1, 512 x 576 -> 576, {torch.get_num_threads()} threads: {detail}"
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file (readers never see part of it); an unwritable cache only
+    means the measurement is repeated in the next process."""
+    try:
+        fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    except OSError:
+        logger.debug("peft-neuroada: could not record the measured layout in %s", path)
+        return
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    except OSError:
+        logger.debug("peft-neuroada: could not record the measured layout in %s", path)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
 
 
 def bypass_forward(

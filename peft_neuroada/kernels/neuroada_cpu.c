@@ -13,9 +13,9 @@
  * register transposes (and converted from bfloat16/float16 on the way):
  *  - delta gradient: x^T and g^T of the block (feature-major, token-minor); every neuron's gradient row is read once
  *    for its k columns: k dot products of length tb over rows of x^T that stay in L2, four columns at a time. For
- *    k = 1 on AVX-512 the "gather" layout is faster: per token, vectors of 16 neurons gather their inputs from the
- *    token's row of x and multiply them by the token's gradient row, with no transposes (small token blocks keep the
- *    rows gathered from in L1).
+ *    k = 1 on CPUs with fast gathers the "gather" layout is faster (cpu.py measures which): per token, vectors of
+ *    neurons gather their inputs from the token's row of x and multiply them by the token's gradient row, with no
+ *    transposes (small token blocks keep the rows gathered from in L1).
  *  - forward: x^T of the block; each neuron accumulates its k scaled input rows into a row of y^T, which is
  *    transposed out into y. At k = 1 the "gather" layout is faster: per token, vectors over 16 (AVX-512) or 8
  *    neurons gather their inputs from the token's row of x held in L1, with no transposes.
@@ -67,7 +67,7 @@ int na_uses_openmp(void) { return 0; }
 /* Leading dimension of a packed feature-major block: one vector more than the block, so that its rows do not all map
  * to the same cache sets (a power-of-two stride made tb = 256 blocks 3-6x slower). */
 #define LD(tb) ((tb) + VW)
-/* Vectors per full token block: the block the kernels are unrolled for (cpu.py passes tb = 64). */
+/* Vectors per full token block: the block the dot layouts are unrolled for (cpu.py passes them tb = 64). */
 #define FULL_VECS (64 / VW)
 /* The most columns per neuron the delta gradient's gather layout takes: its accumulators live in registers. */
 #define GATHER_GRAD_MAX_K 8
@@ -594,8 +594,10 @@ static void grad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
 
 /* The gather layout (k <= GATHER_GRAD_MAX_K): for each vector of VW neurons, k accumulators stay in registers over a
  * block of tokens, each adding the token's gradients times the inputs its columns gather from the token's row of x.
- * x and g are read where they lie when they are float32 rows (else a block of rows is converted first); between
- * blocks the accumulators wait in (k, np) scratch, transposed into the worker's (n, k) sums at the end. */
+ * x and g are read where they lie when they are float32 rows (else a block of rows is converted first, element by
+ * element: cpu.py takes this layout for float32 only). Each block's sums are added into (k, np) scratch, as the dot
+ * layout adds its blocks' (one running sum over all tokens rounds several times worse), and transposed into the
+ * worker's (n, k) sums at the end. */
 static void grad_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     grad_ctx *c = (grad_ctx *)arg;
     const placement *p = c->p;
@@ -624,13 +626,12 @@ static void grad_gather_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         for (int64_t i0 = 0; i0 < np; i0 += VW) {
             vf a[GATHER_GRAD_MAX_K];
             vi idx[GATHER_GRAD_MAX_K];
-            for (int64_t j = 0; j < k; j++)
-                a[j] = *(const vf *)(acc + j * np + i0), idx[j] = *(const vi *)(p->cols_t + j * np + i0);
+            for (int64_t j = 0; j < k; j++) a[j] = (vf){0}, idx[j] = *(const vi *)(p->cols_t + j * np + i0);
             for (int64_t s = 0; s < len; s++) {
                 vf gv = *(const vfu *)(gs + s * g_ld + i0);
                 for (int64_t j = 0; j < k; j++) a[j] += gv * gather(xs + s * x_ld, idx[j]);
             }
-            for (int64_t j = 0; j < k; j++) *(vf *)(acc + j * np + i0) = a[j];
+            for (int64_t j = 0; j < k; j++) *(vf *)(acc + j * np + i0) += a[j];
         }
         if (phases) {
             t[3] = seconds_now();
