@@ -282,15 +282,15 @@ class NeuroAdaLayer(BaseTunerLayer):
                         f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
                         f"that {fits} for this config. Load the adapter on the base model it was trained on."
                     ) from None
-            if saved.shape != expected.shape and self._only_k_differs(attribute, saved, expected):
-                raise ValueError(
-                    f"The NeuroAda adapter's tensors do not match its config at layer '{name}': its {attribute} "
-                    f"holds {saved.shape[1]} per neuron, but the config's k gives {expected.shape[1]}. They come from "
-                    "an adapter with another k (for a saved adapter: its config and weights files do not belong "
-                    "together; save it again from the model it was trained in), or from one trained on a base model "
-                    "with fewer inputs here."
-                )
             if saved.shape != expected.shape:
+                if self._only_k_differs(attribute, saved, expected):
+                    raise ValueError(
+                        f"The NeuroAda adapter's tensors do not match its config at layer '{name}': its {attribute} "
+                        f"holds {saved.shape[1]} per neuron, but the config's k gives {expected.shape[1]}. They come "
+                        "from an adapter with another k (for a saved adapter: its config and weights files do not "
+                        "belong together; save it again from the model it was trained in), or from one trained on a "
+                        "base model with fewer inputs here."
+                    )
                 raise ValueError(
                     f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
                     f"{tuple(saved.shape)}, but {fits} {tuple(expected.shape)} for this config. Load the adapter on "

@@ -232,7 +232,7 @@ def sampled_grad(
 ) -> torch.Tensor:
     """`phases`, when given, receives the seconds the calling thread spent in each of `SAMPLED_GRAD_PHASES` (where a
     call's time goes: benchmarks/primitives.py). `layout` ("dot" or "gather", as tests and benchmarks ask for one)
-    defaults to `sampled_grad_layout(k)`."""
+    defaults to `sampled_grad_layout` for k and the inputs' dtypes."""
     lib = _required()
     n, k = cols.shape
     layout = layout or sampled_grad_layout(k, (x2d.dtype, grad2d.dtype))
