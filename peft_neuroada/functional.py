@@ -360,7 +360,8 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
         if used.numel() <= _COMPACT_INPUT_MAX_SHARE * d_in:
             local_cols = local.reshape(-1).split([p.cols.numel() for p in placements])
             compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
-            return _flatten(x).index_select(1, used), compact
+            x2d = _flatten(x)
+            return torch.gather(x2d, 1, used.expand(x2d.shape[0], -1)), compact
     INPUTS_KEPT_WHOLE.add(x)
     return x, list(placements)
 
