@@ -900,13 +900,17 @@ typedef struct {
  * which the hardware prefetcher follows). */
 #define RESTORE_PREFETCH_ROWS 4
 
+static inline float *entry_row(const entries *c, int64_t i) {
+    return c->w + (c->rows ? index_at(c->rows, c->rdt, i) : i) * c->s0;
+}
+
 /* A row's entries are patched first to last and restored last to first: a column repeated within a row gets both
  * deltas, and its first saved value (the original) is the one written back last. */
 static void visit_entries(void *arg, int64_t begin, int64_t end, int worker) {
     (void)worker;
     entries *c = arg;
     for (int64_t i = begin; i < end; i++) {
-        float *row = c->w + (c->rows ? index_at(c->rows, c->rdt, i) : i) * c->s0;
+        float *row = entry_row(c, i);
         if (c->delta) {
             for (int64_t e = i * c->k; e < (i + 1) * c->k; e++) {
                 float *entry = row + index_at(c->cols, c->cdt, e) * c->s1;
@@ -916,7 +920,7 @@ static void visit_entries(void *arg, int64_t begin, int64_t end, int worker) {
         } else {
             if (c->k > 1 && i + RESTORE_PREFETCH_ROWS < end) {
                 int64_t ahead = i + RESTORE_PREFETCH_ROWS;
-                const float *next = c->w + (c->rows ? index_at(c->rows, c->rdt, ahead) : ahead) * c->s0;
+                const float *next = entry_row(c, ahead);
                 for (int64_t e = ahead * c->k; e < (ahead + 1) * c->k; e++)
                     __builtin_prefetch(next + index_at(c->cols, c->cdt, e) * c->s1, 1);
             }
