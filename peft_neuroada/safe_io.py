@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import peft.peft_model
@@ -22,20 +21,8 @@ import peft.utils.save_and_load
 import safetensors.torch
 from safetensors import SafetensorError
 
+from .atomic_file import write_atomically
 from .config import METHOD_NAME, PREFIX
-
-
-def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Run `write(temporary_path)` and move the result onto `path` in one rename, or leave `path` untouched."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        write(str(temporary))
-        with open(temporary, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def save_file(tensors: dict, filename: str | os.PathLike, metadata: dict | None = None) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, safe_io
 from peft_neuroada.index_storage import from_buffer
 from tests.conftest import logits, neuroada_layers, real_minilm, tiny_bert, tiny_llama
 
@@ -111,6 +113,25 @@ def test_saving_twice_replaces_the_adapter_completely(saved_adapter, token_batch
     reloaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir)
     assert reloaded.peft_config["default"].k == 5
     assert torch.equal(logits(reloaded, token_batch), logits(newer, token_batch))
+
+
+def test_two_saves_of_one_adapter_file_at_once_leave_one_of_them_whole(tmp_path):
+    """Threads or processes saving the same adapter file at the same time each write a temporary file of their own."""
+    filename = tmp_path / "adapter_model.safetensors"
+    versions = [{"layer.neuroada_delta.default": torch.full((4, 2), float(i))} for i in range(2)]
+    both_writing = threading.Barrier(2, timeout=30)
+    real_save = safetensors.torch.save_file
+
+    def save_side_by_side(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        both_writing.wait()
+
+    with mock.patch.object(safetensors.torch, "save_file", save_side_by_side), ThreadPoolExecutor(2) as pool:
+        for saving in [pool.submit(safe_io.save_file, tensors, filename) for tensors in versions]:
+            saving.result()
+    saved = load_file(filename)["layer.neuroada_delta.default"]
+    assert any(torch.equal(saved, version["layer.neuroada_delta.default"]) for version in versions)
+    assert [p.name for p in tmp_path.iterdir()] == [filename.name]
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ and the dispatcher uses the torch ops.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic_file import write_atomically
 from ..cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -290,21 +290,12 @@ def _measure_gather() -> tuple[bool, str]:
 
 
 def _write_quietly(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file (readers never see part of it); an unwritable cache only
-    means the measurement is repeated in the next process."""
+    """Write `text` to `path` whole or not at all; an unwritable cache only means the measurement is repeated in the
+    next process."""
     try:
-        fd, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        write_atomically(path, lambda temporary: Path(temporary).write_text(text))
     except OSError:
         logger.debug("peft-neuroada: could not record the measured layout in %s", path)
-        return
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    except OSError:
-        logger.debug("peft-neuroada: could not record the measured layout in %s", path)
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
 
 
 def bypass_forward(
