@@ -151,6 +151,14 @@ def test_the_k1_layout_is_measured_once_per_machine_and_recorded_beside_the_libr
     assert cpu.sampled_grad_layout(1) == "dot" and measured == [1]
 
 
+def test_the_bypass_forward_gathers_straight_from_token_rows_only_at_k1_in_float32():
+    """Its gather layout converts half-precision rows element by element: 2-4x slower there than the transposed one."""
+    assert cpu.bypass_forward_layout(1) == "gather"
+    assert cpu.bypass_forward_layout(1, (torch.bfloat16, torch.bfloat16)) == "dot"
+    assert cpu.bypass_forward_layout(1, (torch.float32, torch.float16)) == "dot"
+    assert cpu.bypass_forward_layout(2) == "dot"
+
+
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_the_gather_layout_of_the_c_delta_gradient_refuses_more_columns_than_its_registers_hold():
     case = Case(20, 30, 16, 9)

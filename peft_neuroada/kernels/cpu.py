@@ -50,7 +50,10 @@ OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
 # 128 measured within a few percent of it on all of them (docs/performance.md, "Compiled kernels").
 TOKEN_BLOCK = 64
 # The forward gathers each neuron's inputs straight from the token's row (no transposes) at k = 1: 0.5-0.8x the
-# time of the transposed layout there; from k = 2 on the transposed layout wins.
+# time of the transposed layout there for float32; from k = 2 on the transposed layout wins. It converts
+# half-precision rows element by element, which made it 2.2-3.6x slower than the transposed layout in bfloat16
+# (docs/performance.md, eleventh round): float32 only.
+FORWARD_LAYOUTS = {"dot": 0, "gather": 1}
 FORWARD_GATHER_MAX_K = 1
 
 # The delta gradient's layouts (neuroada_cpu.c). The gather layout depends on how fast the CPU gathers: on an
@@ -312,7 +315,7 @@ def bypass_forward(
     out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
     delta = delta.detach().contiguous()
-    layout = int(k <= FORWARD_GATHER_MAX_K)
+    layout = FORWARD_LAYOUTS[bypass_forward_layout(k, (x2d.dtype, out.dtype))]
     sizes = [x2d.shape[0], x2d.shape[1], d_out, n, k]
     status = lib.na_bypass_forward(
         *_matrix(x2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
@@ -321,6 +324,11 @@ def bypass_forward(
     )  # fmt: skip
     _check(status)
     return out
+
+
+def bypass_forward_layout(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
+    """The bypass forward's faster layout for k columns per neuron and input/output `dtypes`."""
+    return "gather" if k <= FORWARD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes) else "dot"
 
 
 def bypass_input_grad(
