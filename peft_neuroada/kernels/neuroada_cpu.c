@@ -19,8 +19,9 @@
  *  - forward: x^T of the block; each neuron accumulates its k scaled input rows into a row of y^T, which is
  *    transposed out into y. At k = 1 the "gather" layout is faster: per token, vectors over 16 (AVX-512) or 8
  *    neurons gather their inputs from the token's row of x held in L1, with no transposes.
- *  - input gradient: the transpose of the forward: g^T of the block, each neuron adds its scaled gradient row into
- *    the k rows of a zeroed gx^T block (duplicated columns sum), which is transposed out into gx.
+ *  - input gradient: the transpose of the forward, column by column: the placement's entries are first listed by
+ *    input column (once per call); per block, g^T is packed and each input column sums its entries' scaled
+ *    gradient rows in registers into its row of gx^T (written once), which is transposed out into gx.
  * Threads split the token blocks; the delta gradient adds per-thread partial sums at the end.
  */
 #ifdef _OPENMP
@@ -790,11 +791,47 @@ int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const vo
     return status;
 }
 
-/* -------------------------------------------------------------------------------- bypass input gradient (scatter) */
+/* ------------------------------------------------------------------------------------- bypass input gradient */
+
+/* The placement's entries listed by input column (CSC): column c's are [start[c], start[c + 1]), each with its
+ * neuron (a row of the packed g^T) and its delta, in neuron order, so that a column sums in the order a scatter over
+ * neurons would. */
+typedef struct {
+    int32_t *start, *neuron;
+    float *delta;
+} column_entries;
+
+static void free_column_entries(column_entries *e) {
+    free(e->start), free(e->neuron), free(e->delta);
+}
+
+static int list_by_column(const placement *p, column_entries *e) {
+    int64_t entries = p->n * p->k;
+    if (!p->delta || entries > INT32_MAX) return NA_BAD_ARGUMENT;
+    e->start = calloc((size_t)p->d_in + 1, sizeof(int32_t));
+    e->neuron = malloc((size_t)(entries > 0 ? entries : 1) * sizeof(int32_t));
+    e->delta = malloc((size_t)(entries > 0 ? entries : 1) * sizeof(float));
+    int32_t *next = malloc((size_t)(p->d_in > 0 ? p->d_in : 1) * sizeof(int32_t));
+    if (!e->start || !e->neuron || !e->delta || !next) {
+        free(next);
+        return NA_NO_MEMORY;
+    }
+    for (int64_t x = 0; x < entries; x++) e->start[p->cols[x] + 1]++;
+    for (int64_t c = 0; c < p->d_in; c++) e->start[c + 1] += e->start[c];
+    memcpy(next, e->start, (size_t)p->d_in * sizeof(int32_t));
+    for (int64_t i = 0; i < p->n; i++)
+        for (int64_t j = 0; j < p->k; j++) {
+            int32_t slot = next[p->cols[i * p->k + j]]++;
+            e->neuron[slot] = (int32_t)i, e->delta[slot] = p->delta[i * p->k + j];
+        }
+    free(next);
+    return NA_OK;
+}
 
 typedef struct {
     const matrix *g;
     const placement *p;
+    const column_entries *by_column;
     void *gx;
     int gxdt;
     int64_t gxs0;
@@ -802,26 +839,28 @@ typedef struct {
     int status;
 } igrad_ctx;
 
-/* One neuron's share of the input gradient over a block: its gradient row in nv registers, scaled into k rows of
- * gx^T (read-modify-write; columns shared by several neurons accumulate). Gathering per input column instead (a
- * column index built per call, each gx^T row written once) measured no faster. */
-static inline __attribute__((always_inline)) void igrad_neuron(const vf *restrict gi, float *gxt, int64_t ld,
-                                                               const int32_t *restrict ci, const float *restrict di,
-                                                               int64_t k, int64_t nv) {
-    vf g[FULL_VECS];
-    for (int64_t v = 0; v < nv; v++) g[v] = gi[v];
-    for (int64_t j = 0; j < k; j++) {
-        vf *dst = (vf *)(gxt + (int64_t)ci[j] * ld);
-        float d = di[j];
-        for (int64_t v = 0; v < nv; v++) dst[v] += d * g[v];
+/* One input column's gradient over a block: its entries' scaled g^T rows summed in nv registers, stored once (a
+ * column without entries stores zeros). Scattering each neuron's row into its k columns instead (a read-modify-write
+ * of gx^T per entry) took 1.4-1.5x as long at k = 20 (docs/performance.md, eleventh round). */
+static inline __attribute__((always_inline)) void igrad_column(const float *restrict gt, int64_t ld,
+                                                               const int32_t *restrict neuron,
+                                                               const float *restrict delta, int64_t count,
+                                                               vf *restrict out, int64_t nv) {
+    vf a[FULL_VECS] = {{0}};
+    for (int64_t e = 0; e < count; e++) {
+        const vf *gr = (const vf *)(gt + (int64_t)neuron[e] * ld);
+        float d = delta[e];
+        for (int64_t v = 0; v < nv; v++) a[v] += d * gr[v];
     }
+    for (int64_t v = 0; v < nv; v++) out[v] = a[v];
 }
 
-static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
+static void igrad_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     (void)worker;
     igrad_ctx *c = (igrad_ctx *)arg;
     const placement *p = c->p;
-    int64_t tb = p->tb, ld = LD(tb), n = p->n, k = p->k, d_in = p->d_in;
+    const column_entries *e = c->by_column;
+    int64_t tb = p->tb, ld = LD(tb), n = p->n, d_in = p->d_in;
     float *gt = aligned_buffer(n * ld), *gxt = aligned_buffer(d_in * ld);
     if (!gt || !gxt) {
         c->status = NA_NO_MEMORY;
@@ -831,13 +870,13 @@ static void igrad_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     for (int64_t b = b0; b < b1; b++) {
         int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
         pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
-        for (int64_t f = 0; f < d_in; f++) memset(gxt + f * ld, 0, (size_t)nv * VW * 4);
-        for (int64_t i = 0; i < n; i++) {
-            const vf *gi = (const vf *)(gt + i * ld);
+        for (int64_t f = 0; f < d_in; f++) {
+            int64_t first = e->start[f], count = e->start[f + 1] - first;
+            vf *out = (vf *)(gxt + f * ld);
             if (nv == FULL_VECS)
-                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, FULL_VECS);
+                igrad_column(gt, ld, e->neuron + first, e->delta + first, count, out, FULL_VECS);
             else
-                igrad_neuron(gi, gxt, ld, p->cols + i * k, p->delta + i * k, k, nv);
+                igrad_column(gt, ld, e->neuron + first, e->delta + first, count, out, nv);
         }
         unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt, c->accumulate);
     }
@@ -849,14 +888,17 @@ int na_bypass_input_grad(const void *g, int64_t gs0, int64_t gs1, int gdt, const
                          int64_t n, int64_t k, void *gx, int gxdt, int64_t gxs0, int accumulate, int64_t tb,
                          int workers) {
     placement p;
+    column_entries by_column = {NULL, NULL, NULL};
     int status = make_placement(&p, cols, cdt, rows, rdt, delta, ddt, T, d_in, d_out, n, k, tb, 0);
+    if (status == NA_OK) status = list_by_column(&p, &by_column);
     if (status == NA_OK) {
         matrix mg = {g, gs0, gs1, gdt};
-        igrad_ctx ctx = {&mg, &p, gx, gxdt, gxs0, accumulate, NA_OK};
+        igrad_ctx ctx = {&mg, &p, &by_column, gx, gxdt, gxs0, accumulate, NA_OK};
         int64_t blocks = (T + p.tb - 1) / p.tb;
-        parallel_for(worker_count(workers, blocks, T * (d_in + n + n * k)), blocks, igrad_dot_blocks, &ctx);
+        parallel_for(worker_count(workers, blocks, T * (d_in + n + n * k)), blocks, igrad_blocks, &ctx);
         status = ctx.status;
     }
+    free_column_entries(&by_column);
     free_placement(&p);
     return status;
 }
