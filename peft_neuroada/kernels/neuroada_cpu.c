@@ -697,17 +697,19 @@ static void store_token_columns(fwd_ctx *c, const float *yt_rows, int64_t t0, in
     unpack_transposed(yt_rows, ld, t0, len, p->n, p->rows, c->y, c->ys0, c->ydt, c->accumulate);
 }
 
-/* One neuron's output over a block: its k scaled x^T rows summed in nv registers. */
-static inline __attribute__((always_inline)) void fwd_neuron(const float *restrict xt, int64_t ld,
-                                                             const int32_t *restrict ci, const float *restrict di,
-                                                             vf *restrict yi, int64_t k, int64_t nv) {
+/* out = sum over e < count of scale[e] * the packed block's row index[e], in nv registers, added in order: a neuron's
+ * output from its k x^T rows (forward), an input column's gradient from its entries' g^T rows (input gradient). */
+static inline __attribute__((always_inline)) void scaled_rows_sum(const float *restrict block, int64_t ld,
+                                                                  const int32_t *restrict index,
+                                                                  const float *restrict scale, int64_t count,
+                                                                  vf *restrict out, int64_t nv) {
     vf a[FULL_VECS] = {{0}};
-    for (int64_t j = 0; j < k; j++) {
-        const vf *xr = (const vf *)(xt + (int64_t)ci[j] * ld);
-        float d = di[j];
-        for (int64_t v = 0; v < nv; v++) a[v] += d * xr[v];
+    for (int64_t e = 0; e < count; e++) {
+        const vf *row = (const vf *)(block + (int64_t)index[e] * ld);
+        float d = scale[e];
+        for (int64_t v = 0; v < nv; v++) a[v] += d * row[v];
     }
-    for (int64_t v = 0; v < nv; v++) yi[v] = a[v];
+    for (int64_t v = 0; v < nv; v++) out[v] = a[v];
 }
 
 static void fwd_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
@@ -727,9 +729,9 @@ static void fwd_dot_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
         for (int64_t i = 0; i < n; i++) {
             vf *yi = (vf *)(yt + i * ld);
             if (nv == FULL_VECS)
-                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, FULL_VECS);
+                scaled_rows_sum(xt, ld, p->cols + i * k, p->delta + i * k, k, yi, FULL_VECS);
             else
-                fwd_neuron(xt, ld, p->cols + i * k, p->delta + i * k, yi, k, nv);
+                scaled_rows_sum(xt, ld, p->cols + i * k, p->delta + i * k, k, yi, nv);
         }
         store_token_columns(c, yt, t0, len, ld);
     }
@@ -795,7 +797,9 @@ int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const vo
 
 /* The placement's entries listed by input column (CSC): column c's are [start[c], start[c + 1]), each with its
  * neuron (a row of the packed g^T) and its delta, in neuron order, so that a column sums in the order a scatter over
- * neurons would. */
+ * neurons would. With them each row of gx^T is summed in registers and written once; scattering each neuron's row
+ * into its k columns instead (a read-modify-write of gx^T per entry) took 1.3-1.5x as long at k = 20 on an AVX-512
+ * Xeon (docs/performance.md, eleventh round). */
 typedef struct {
     int32_t *start, *neuron;
     float *delta;
@@ -839,22 +843,6 @@ typedef struct {
     int status;
 } igrad_ctx;
 
-/* One input column's gradient over a block: its entries' scaled g^T rows summed in nv registers, stored once (a
- * column without entries stores zeros). Scattering each neuron's row into its k columns instead (a read-modify-write
- * of gx^T per entry) took 1.4-1.5x as long at k = 20 (docs/performance.md, eleventh round). */
-static inline __attribute__((always_inline)) void igrad_column(const float *restrict gt, int64_t ld,
-                                                               const int32_t *restrict neuron,
-                                                               const float *restrict delta, int64_t count,
-                                                               vf *restrict out, int64_t nv) {
-    vf a[FULL_VECS] = {{0}};
-    for (int64_t e = 0; e < count; e++) {
-        const vf *gr = (const vf *)(gt + (int64_t)neuron[e] * ld);
-        float d = delta[e];
-        for (int64_t v = 0; v < nv; v++) a[v] += d * gr[v];
-    }
-    for (int64_t v = 0; v < nv; v++) out[v] = a[v];
-}
-
 static void igrad_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     (void)worker;
     igrad_ctx *c = (igrad_ctx *)arg;
@@ -870,13 +858,13 @@ static void igrad_blocks(void *arg, int64_t b0, int64_t b1, int worker) {
     for (int64_t b = b0; b < b1; b++) {
         int64_t t0 = b * tb, len = p->T - t0 < tb ? p->T - t0 : tb, nv = (len + VW - 1) / VW;
         pack_transposed(c->g, t0, len, n, p->rows, gt, ld);
-        for (int64_t f = 0; f < d_in; f++) {
+        for (int64_t f = 0; f < d_in; f++) { /* a column without entries stores zeros */
             int64_t first = e->start[f], count = e->start[f + 1] - first;
             vf *out = (vf *)(gxt + f * ld);
             if (nv == FULL_VECS)
-                igrad_column(gt, ld, e->neuron + first, e->delta + first, count, out, FULL_VECS);
+                scaled_rows_sum(gt, ld, e->neuron + first, e->delta + first, count, out, FULL_VECS);
             else
-                igrad_column(gt, ld, e->neuron + first, e->delta + first, count, out, nv);
+                scaled_rows_sum(gt, ld, e->neuron + first, e->delta + first, count, out, nv);
         }
         unpack_transposed(gxt, ld, t0, len, d_in, NULL, c->gx, c->gxs0, c->gxdt, c->accumulate);
     }
