@@ -14,11 +14,10 @@ import argparse
 
 import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
-from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, RunSpec, Session
-from cost.variants import QUANTIZATIONS, VARIANTS
+from cost.measurement import MODEL_DEFAULTS, RunSpec, Session
+from cost.variants import VARIANTS
 from torch.profiler import ProfilerActivity, profile
-
-from peft_neuroada.config import DTYPES
+from train_cost import add_step_options
 
 
 def profile_step(spec: RunSpec, rows: int) -> str:
@@ -36,16 +35,9 @@ def profile_step(spec: RunSpec, rows: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="smollm2")
+    add_step_options(parser)
     parser.add_argument("--variant", choices=list(VARIANTS), default="neuroada-k1")
-    parser.add_argument("--batch", type=int, help="Sequences per step (model default when omitted).")
-    parser.add_argument("--seq-len", type=int, help="Tokens per sequence (model default when omitted).")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed training steps before the profiled one.")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available).")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--quantize", choices=sorted(QUANTIZATIONS), help="Load the base quantized (nf4: QLoRA's).")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument("--rows", type=int, default=25, help="Ops listed.")
     args = parser.parse_args()
     defaults = MODEL_DEFAULTS[args.model]

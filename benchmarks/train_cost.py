@@ -40,19 +40,12 @@ from cost.variants import QUANTIZATIONS, VARIANTS
 from peft_neuroada.config import DTYPES
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """The options that shape a training step (model, batch, precision, quantization, device, threads, optimizer):
+    shared with step_profile.py, which profiles the same step."""
     parser.add_argument("--model", choices=sorted(MODEL_DEFAULTS), default="smollm2")
-    parser.add_argument("--tiny", action="store_true", help="Smoke mode: same as --model tiny.")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--batch", type=int, help="Sequences per step (model default when omitted).")
     parser.add_argument("--seq-len", type=int, help="Tokens per sequence (model default when omitted).")
-    parser.add_argument("--warmup", type=int, help="Untimed training steps before the timed ones.")
-    parser.add_argument("--steps", type=int, help="Timed training steps; the median is reported.")
-    parser.add_argument("--infer-steps", type=int, help="Timed no-grad forwards (0 skips inference timing).")
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="Timing passes over all variants; each pass uses new processes."
-    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available).")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument(
@@ -60,6 +53,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--threads", type=int, help="torch intra-op threads per variant; 1 keeps timings sane on a shared CPU."
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adamw",
+        help="AdamW as torch defaults it (a Python loop on CPU; `neuroada train`'s) or fused (the Trainer's default).",
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    add_step_options(parser)
+    parser.add_argument("--tiny", action="store_true", help="Smoke mode: same as --model tiny.")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--warmup", type=int, help="Untimed training steps before the timed ones.")
+    parser.add_argument("--steps", type=int, help="Timed training steps; the median is reported.")
+    parser.add_argument("--infer-steps", type=int, help="Timed no-grad forwards (0 skips inference timing).")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="Timing passes over all variants; each pass uses new processes."
     )
     parser.add_argument(
         "--clock",
@@ -72,12 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="default",
         help="glibc in the timing processes: its default (hands freed memory back to the OS, so every step faults "
         "pages in again) or keep (freed memory is reused, as with jemalloc/tcmalloc or CUDA's caching allocator).",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=sorted(OPTIMIZERS),
-        default="adamw",
-        help="AdamW as torch defaults it (a Python loop on CPU; `neuroada train`'s) or fused (the Trainer's default).",
     )
     parser.add_argument("--json", type=Path, help="Also write the results (and target checks) to this file.")
     args = parser.parse_args(argv)
