@@ -798,7 +798,7 @@ int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const vo
 /* The placement's entries listed by input column (CSC): column c's are [start[c], start[c + 1]), each with its
  * neuron (a row of the packed g^T) and its delta, in neuron order, so that a column sums in the order a scatter over
  * neurons would. With them each row of gx^T is summed in registers and written once; scattering each neuron's row
- * into its k columns instead (a read-modify-write of gx^T per entry) took 1.3-1.5x as long at k = 20 on an AVX-512
+ * into its k columns instead (a read-modify-write of gx^T per entry) took 1.3-1.7x as long at k = 20 on an AVX-512
  * Xeon (docs/performance.md, eleventh round). */
 typedef struct {
     int32_t *start, *neuron;
