@@ -478,27 +478,42 @@ def _(grad2d, cols, rows, delta, d_in, dtype):
     return grad2d.new_empty(grad2d.shape[0], d_in, dtype=dtype)
 
 
-class SparseBypass(torch.autograd.Function):
+def bypass_alone(x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
     """`(P ⊙ Θ) x` alone, for adding to an untouched base layer's output."""
+    if torch.is_grad_enabled():
+        return SparseBypass.apply(x, placement, out_features, delta)
+    out = kernels.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class SparseBypass(torch.autograd.Function):
+    """`bypass_alone` with gradients. Backward keeps what the other paths keep: the layer input or just the columns
+    of it the delta reads (whole when traced: the compaction's bookkeeping is Python state), nothing of it when the
+    delta is frozen."""
 
     @staticmethod
     def forward(ctx, x, placement, out_features, delta):
         out = kernels.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
-        ctx.save_for_backward(x, delta)
-        ctx.saved_placements = [placement]
+        if not ctx.needs_input_grad[3]:
+            x_saved, ctx.saved_placements = None, [placement]
+        elif torch.compiler.is_compiling():
+            x_saved, ctx.saved_placements = x, [placement]
+        else:
+            x_saved, ctx.saved_placements = input_for_backward(x, [placement])
+        ctx.save_for_backward(x_saved, delta)
+        ctx.placement, ctx.input_shape, ctx.input_dtype = placement, x.shape, x.dtype
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, delta = ctx.saved_tensors
+        x_saved, delta = ctx.saved_tensors
         grad2d = _flatten(grad_out)
         grad_x = grad_delta = None
         if ctx.needs_input_grad[0]:
-            (placement,) = ctx.saved_placements
-            grad_x = bypass_input_grad(grad2d, placement.cols, placement.rows, delta, x.shape[-1], x.dtype)
-            grad_x = grad_x.view_as(x)
+            cols, rows, (*_, d_in) = ctx.placement.cols, ctx.placement.rows, ctx.input_shape
+            grad_x = bypass_input_grad(grad2d, cols, rows, delta, d_in, ctx.input_dtype).view(ctx.input_shape)
         if ctx.needs_input_grad[3]:
-            (grad_delta,) = _delta_grads(ctx, x, grad2d, [delta], [True])
+            (grad_delta,) = _delta_grads(ctx, x_saved, grad2d, [delta], [True])
         return grad_x, None, None, grad_delta
 
 
@@ -569,5 +584,5 @@ def adapted_linear(
         return _linear(frozen, x, placements, deltas, inplace)
     result = frozen.module(x, *args, **kwargs)
     for placement, delta in zip(placements, deltas, strict=True):
-        result = result + SparseBypass.apply(x, placement, out_features, delta).to(result.dtype)
+        result = result + bypass_alone(x, placement, out_features, delta).to(result.dtype)
     return result

@@ -183,12 +183,24 @@ def test_backward_keeps_nothing_weight_sized(path):
     assert all(t.shape[:-1] == (6,) for t in saved if t.untyped_storage().data_ptr() not in storages(adapter_tensors))
 
 
-def test_backward_keeps_only_the_input_columns_the_deltas_read():
-    layer = make_layer(k=1, d_in=64, d_out=8)
-    x = inputs(layer, tokens=3)
-    (kept, *_) = saved_for_backward(lambda: layer(x))
+def kept_per_token(layer: Linear, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shapes of what autograd keeps for one layer visit with a row per token of `x`."""
+    tokens = x.shape[:-1].numel()
+    return [tuple(t.shape) for t in saved_for_backward(lambda: layer(x)) if t.shape[:-1].numel() == tokens]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_keeps_only_the_input_columns_the_deltas_read(path):
+    layer = make_layer(k=1, d_in=64, d_out=8, path=path)
     used = layer.placement("default").cols.unique().numel()
-    assert kept.shape == (6, used) and used <= 8
+    assert kept_per_token(layer, inputs(layer, tokens=3)) == [(6, used)] and used <= 8
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_keeps_nothing_of_the_input_for_frozen_deltas(path):
+    layer = make_layer(k=1, d_in=64, d_out=8, path=path)
+    layer.neuroada_delta["default"].requires_grad_(False)
+    assert kept_per_token(layer, inputs(layer, tokens=3)) == []
 
 
 def test_the_column_positions_kept_for_backward_take_no_more_memory_than_the_layers_index():
