@@ -4,7 +4,7 @@ Three paths compute `W x + b + (P ⊙ Θ) x`, each guarded by the preconditions 
 
 * **in place** (neither `linear_refusal` nor `write_refusal` finds anything against it): the deltas are added into
   the k selected entries of each row of the frozen weight for the duration of one matmul, and the saved original
-  entries are written back bit-exactly afterwards (by the C kernels for one float32 adapter, `kernels.entry_patch`;
+  entries are written back bit-exactly afterwards (by the C kernels for one adapter on the CPU, `kernels.entry_patch`;
   by torch's gather/scatter_ otherwise). Forward and input gradient cost exactly one dense matmul each, like a frozen
   layer, and nothing of size d_out x d_in is allocated. Every visit holds the weight's lock (`weight_lock`), so
   threads never see or write each other's patched entries.
@@ -246,7 +246,7 @@ def _with_deltas_added(weight: torch.Tensor, placements: Sequence[Placement], de
 
 
 def _with_delta_added_by_kernel(weight: torch.Tensor, placement: Placement, delta: torch.Tensor, compute):
-    """`_with_deltas_added` for one float32 adapter, by the C kernels: one pass saves and patches the entries, one
+    """`_with_deltas_added` for one adapter, by the C kernels: one pass saves and patches the entries, one
     writes them back, each split across threads; the restore writes back exactly what the patch wrote, also when an
     exception came before or during the patch (`kernels.entry_patch`)."""
     entries = kernels.entry_patch(weight, placement.cols, placement.rows, delta)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import itertools
 import os
 import platform
 import subprocess
@@ -315,6 +316,36 @@ def test_patching_entries_adds_the_deltas_and_restoring_gives_back_the_exact_wei
     assert torch.equal(weight, original)
 
 
+HALF = [torch.bfloat16, torch.float16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s raw bits, so that comparisons see every bit (NaN payloads, signed zeros)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("delta_dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, *HALF], ids=str)
+@pytest.mark.parametrize("subset", [False, True], ids=["all-neurons", "subset"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_patched_entries_are_torchs_sum_in_the_weights_type_and_restoring_gives_back_its_bits(
+    weight_dtype, delta_dtype, subset, transposed
+):
+    """What the torch ops of the in-place path write for weights the C kernels do not take: `w + delta.to(w.dtype)`."""
+    case = Case(1, 70, 40, 20, subset=subset, dtype=delta_dtype)
+    storage = torch.randn(70, 40) if transposed else torch.randn(40, 70)
+    weight = (storage.T if transposed else storage).to(weight_dtype)
+    original = weight.clone()
+    positions = (case.neurons[:, None].expand_as(case.cols), case.cols.long())
+    expected = weight.clone().index_put_(positions, weight[positions] + case.delta.to(weight_dtype))
+    entries = kernels.entry_patch(weight, case.cols, case.rows, case.delta)
+    entries.apply()
+    assert torch.equal(bits(weight), bits(expected))
+    entries.restore()
+    assert torch.equal(bits(weight), bits(original))
+
+
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 def test_a_column_repeated_within_a_row_gets_both_deltas_and_restoring_still_gives_back_the_exact_weight():
     weight = torch.randn(6, 10)
@@ -407,12 +438,12 @@ def test_patching_out_of_range_entries_raises_before_writing_and_leaves_nothing_
 @pytest.mark.parametrize(
     "change, error",
     [
-        ({"weight": torch.zeros(6, 9, dtype=torch.bfloat16)}, "float32 CPU tensors"),
+        ({"weight": torch.zeros(6, 9, dtype=torch.float64)}, "float16 CPU tensors"),
         ({"weight": torch.zeros(5, 9)}, "rows=None means every neuron"),
-        ({"delta": torch.zeros(6, 2, dtype=torch.float64)}, "float32 CPU tensors"),
+        ({"delta": torch.zeros(6, 2, dtype=torch.float64)}, "float16 CPU tensors"),
         ({"delta": torch.zeros(6, 1)}, "differ in shape"),
     ],
-    ids=["bf16-weight", "fewer-rows", "float64-delta", "small-delta"],
+    ids=["float64-weight", "fewer-rows", "float64-delta", "small-delta"],
 )
 def test_entry_kernels_refuse_tensors_they_would_read_or_write_out_of_bounds(change, error):
     case = Case(1, 9, 6, 2)
@@ -424,11 +455,12 @@ def test_entry_kernels_refuse_tensors_they_would_read_or_write_out_of_bounds(cha
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_the_in_place_path_patches_float32_weights_with_the_c_kernels_and_others_with_torch_ops():
-    weight = torch.zeros(4, 3)
-    assert kernels.patches_entries(weight, torch.zeros(4, 1))
-    assert not kernels.patches_entries(weight.bfloat16(), torch.zeros(4, 1, dtype=torch.bfloat16))
-    assert not kernels.patches_entries(weight, torch.zeros(4, 1, dtype=torch.bfloat16))
+def test_the_in_place_path_patches_weights_of_the_kernels_dtypes_with_the_c_kernels_and_others_with_torch_ops():
+    kernel_dtypes = [torch.float32, *HALF]
+    for weight_dtype, delta_dtype in itertools.product(kernel_dtypes, kernel_dtypes):
+        assert kernels.patches_entries(torch.zeros(4, 3, dtype=weight_dtype), torch.zeros(4, 1, dtype=delta_dtype))
+    assert not kernels.patches_entries(torch.zeros(4, 3, dtype=torch.float64), torch.zeros(4, 1))
+    assert not kernels.patches_entries(torch.zeros(4, 3), torch.zeros(4, 1, dtype=torch.float64))
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

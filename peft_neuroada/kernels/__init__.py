@@ -9,7 +9,7 @@ For a layer with weight (d_out, d_in) and n tuned neurons, each with k trainable
 * `bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)`: its transpose, (T, d_in) in `dtype`; duplicated
   columns across neurons sum.
 
-And for the in-place path of `functional.py`, on float32 CPU weights with the C kernels built (`patches_entries`):
+And for the in-place path of `functional.py`, on CPU weights with the C kernels built (`patches_entries`):
 `entry_patch` adds the deltas into the selected entries of the weight, keeping the overwritten ones, and writes those
 back: one pass each over the (cold) weight's entries, split across threads, where torch's gather and scatter_ take
 two single-threaded passes (a k=20 SmolLM2 step: 1.16x -> 1.08x of the frozen model's, docs/performance.md).
@@ -210,11 +210,11 @@ def bypass_input_grad(
 
 
 def patches_entries(weight: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether `entry_patch` (the C kernels) handles this weight and these deltas: float32 CPU
+    """Whether `entry_patch` (the C kernels) handles this weight and these deltas: float32, bfloat16 or float16 CPU
     tensors in eager mode, with the C kernels built here. The in-place path uses torch's gather/scatter_ otherwise."""
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == delta.dtype == torch.float32
+        weight.device.type == delta.device.type == "cpu"
+        and _compiled_dtypes((weight, delta))
         and not torch.compiler.is_compiling()
         and cpu.available()
     )
@@ -238,8 +238,9 @@ def entry_patch(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | N
     patch = _PREPARED.get(facts)
     if patch is None or patch.in_use:
         _validate("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
-        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (weight, delta)):
-            raise TypeError("entry_patch: weight and delta must be float32 CPU tensors (see patches_entries)")
+        if not all(t.device.type == "cpu" and t.dtype in cpu.DTYPE_CODES for t in (weight, delta)):
+            raise TypeError("entry_patch: weight and delta must be float32/bfloat16/float16 CPU tensors (see "
+                            "patches_entries)")  # fmt: skip
         patch = cpu.EntryPatch(weight, cols, rows, delta)
         if patch.reusable:
             if len(_PREPARED) >= _PREPARED_MAX:

@@ -149,8 +149,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.na_sampled_grad.argtypes = [*matrix, *matrix, *placement, *sizes, p, i, i64, i, p]
     lib.na_bypass_forward.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i, i64, i]
     lib.na_bypass_input_grad.argtypes = [*matrix, *placement, p, i, *sizes, p, i, i64, i, i64, i]
-    weight = [p, i64, i64]  # data, row stride, column stride
-    lib.na_patch_entries.argtypes = [*weight, *placement, p, p, i64, i64, i64, i64, i]
+    weight = [p, i64, i64, i]  # data, row stride, column stride, element type
+    lib.na_patch_entries.argtypes = [*weight, *placement, p, i, p, i64, i64, i64, i64, i]
     lib.na_restore_entries.argtypes = [*weight, *placement, p, i64, i64, i]
     products = (lib.na_sampled_grad, lib.na_bypass_forward, lib.na_bypass_input_grad)
     entries = (lib.na_patch_entries, lib.na_restore_entries)
@@ -369,9 +369,10 @@ def patch_facts(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | N
 
 
 class EntryPatch:
-    """`weight[rows[i], cols[i, j]] += delta[i, j]` (`apply`) and its exact undo (`restore`) for a float32
-    (d_out, d_in) weight and float32 deltas, each one C call with its arguments prepared here once (they run on every
-    visit of a layer, forward and backward, so the Python around them is a visible share of a k = 1 step).
+    """`weight[rows[i], cols[i, j]] += delta[i, j]` (`apply`) and its exact undo (`restore`) for a (d_out, d_in)
+    weight and deltas of float32, bfloat16 or float16 (the sum as torch's `w + delta.to(w.dtype)`), each one C call
+    with its arguments prepared here once (they run on every visit of a layer, forward and backward, so the Python
+    around them is a visible share of a k = 1 step).
 
     `apply` saves the overwritten entries and marks the patch applied right before writing; `restore` writes them
     back only when it is applied (and clears that), so calling it in a `finally`, also after an `apply` that never ran
@@ -394,11 +395,11 @@ class EntryPatch:
         self._state = _PatchState()
         self._held: tuple[torch.UntypedStorage, ...] = ()
         self.in_use = False
-        at = [weight.data_ptr(), weight.stride(0), weight.stride(1), *place]
+        at = [weight.data_ptr(), weight.stride(0), weight.stride(1), DTYPE_CODES[weight.dtype], *place]
         state, workers = ctypes.addressof(self._state), torch.get_num_threads()
         self._apply = functools.partial(
-            lib.na_patch_entries, *at, contiguous_delta.data_ptr(), state, weight.shape[1], weight.shape[0], n, k,
-            workers,
+            lib.na_patch_entries, *at, contiguous_delta.data_ptr(), DTYPE_CODES[delta.dtype], state, weight.shape[1],
+            weight.shape[0], n, k, workers,
         )  # fmt: skip
         self._restore = functools.partial(lib.na_restore_entries, *at, state, n, k, workers)
 
