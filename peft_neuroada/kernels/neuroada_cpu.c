@@ -932,6 +932,11 @@ typedef struct {
  * which the hardware prefetcher follows). */
 #define RESTORE_PREFETCH_ROWS 4
 
+/* The address of row i's first entry, for weights at `w` with a row stride of `s0` bytes. */
+static inline char *entry_row(char *w, const void *rows, int rdt, int64_t i, int64_t s0) {
+    return w + (rows ? index_at(rows, rdt, i) : i) * s0;
+}
+
 /* `v` rounded to `dtype` as torch's .to(dtype) rounds it, read back as float32. */
 static inline float in_precision(float v, int dtype) {
     if (dtype == F32) return v;
@@ -952,7 +957,7 @@ static inline __attribute__((always_inline)) void visit_rows(const entries *c, i
     const int cdt = c->cdt, rdt = c->rdt, ddt = c->ddt;
     char *w = c->w, *saved = c->saved;
     for (int64_t i = begin; i < end; i++) {
-        char *row = w + (rows ? index_at(rows, rdt, i) : i) * s0;
+        char *row = entry_row(w, rows, rdt, i, s0);
         if (delta) {
             for (int64_t e = i * k; e < (i + 1) * k; e++) {
                 char *entry = row + index_at(cols, cdt, e) * s1;
@@ -962,7 +967,7 @@ static inline __attribute__((always_inline)) void visit_rows(const entries *c, i
         } else {
             if (k > 1 && i + RESTORE_PREFETCH_ROWS < end) {
                 int64_t ahead = i + RESTORE_PREFETCH_ROWS;
-                const char *next = w + (rows ? index_at(rows, rdt, ahead) : ahead) * s0;
+                const char *next = entry_row(w, rows, rdt, ahead, s0);
                 for (int64_t e = ahead * k; e < (ahead + 1) * k; e++)
                     __builtin_prefetch(next + index_at(cols, cdt, e) * s1, 1);
             }
