@@ -238,7 +238,7 @@ def entry_patch(weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | N
     patch = _PREPARED.get(facts)
     if patch is None or patch.in_use:
         _validate("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
-        if not all(t.device.type == "cpu" and t.dtype in cpu.DTYPE_CODES for t in (weight, delta)):
+        if not (weight.device.type == delta.device.type == "cpu" and _compiled_dtypes((weight, delta))):
             raise TypeError("entry_patch: weight and delta must be float32/bfloat16/float16 CPU tensors (see "
                             "patches_entries)")  # fmt: skip
         patch = cpu.EntryPatch(weight, cols, rows, delta)
