@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import threading
@@ -541,7 +542,7 @@ def test_c_kernels_run_on_torchs_own_openmp_threads(two_intra_op_threads):
 def use_compiler_script(monkeypatch, path: Path, before: str = "", after: str = "") -> None:
     """Build the kernels with a shell script as `CC`: `before` runs first, then the real compiler with the build's
     arguments followed by `after`."""
-    path.write_text(f'#!/bin/sh\n{before}exec {cpu.compiler()} "$@"{after}\n')
+    path.write_text(f'#!/bin/sh\n{before}exec {shlex.join(cpu.compiler())} "$@"{after}\n')
     path.chmod(0o755)
     monkeypatch.setenv("CC", str(path))
 

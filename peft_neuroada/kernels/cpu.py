@@ -6,8 +6,20 @@ GIL for the duration of each call. The library is compiled with `-march=native` 
 cache key covers the source, the compiler and the CPU's feature flags: a cache shared between machines (a network
 home directory) never hands a binary to a CPU it was not built for.
 
-No compiler, a failed build or a library that does not load is not an error: `library()` returns None (logged once)
-and the dispatcher uses the torch ops.
+What lies in the cache is untrusted input (a full disk, a killed process or a shared home folder can leave anything
+there), and a compiler can be broken, so a library serves a process only after two checks:
+
+* before it is loaded, its bytes must have the size and sha256 recorded beside it (`.sha256`, written once the
+  library is in place): `dlopen` of a truncated library kills the process. A missing or unreadable record, or any
+  other content, means the library is not loaded but rebuilt;
+* once loaded, every product and the entry patch must agree with the torch ops on small random inputs (`_self_test`,
+  a few milliseconds once per process): a library that loads but computes wrong numbers is never used.
+
+A cached library that fails either check is rebuilt, at most once per process; a new build is loaded and self-tested
+in its build folder and only then moved into the cache. Records (this one and the measured layout's) may hold any
+bytes: anything but a valid record means building or measuring again. No compiler, no cache folder (no
+`$PEFT_NEUROADA_CACHE` and no home folder), a failed build or a library that fails its checks is not an error:
+`library()` returns None (one warning saying what failed and what to do) and the dispatcher uses the torch ops.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import itertools
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -30,6 +43,7 @@ import torch
 
 from ..atomic_file import write_atomically
 from ..cache import cache_root
+from . import torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +121,31 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip().lower() in wanted}))
 
 
-def _library_path(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+def _library_name(cc: list[str]) -> str:
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE_TEXT, cc, version, repr((FLAGS, OPTIONAL_FLAGS)), _cpu_identity()]).encode()
+        "\0".join([SOURCE_TEXT, shlex.join(cc), version, repr((FLAGS, OPTIONAL_FLAGS)), _cpu_identity()]).encode()
     ).hexdigest()[:16]
-    return cache_dir() / f"neuroada_cpu-{key}.so"
+    return f"neuroada_cpu-{key}.so"
+
+
+def _fingerprint(content: bytes) -> bytes:
+    """A library's integrity record: its size and sha256."""
+    return f"{len(content)} {hashlib.sha256(content).hexdigest()}\n".encode()
+
+
+def _matches_record(library: Path) -> bool:
+    """Whether `library` has the size and sha256 its integrity record names; a missing file or any other content of
+    either (empty, truncated, not text, another file's record) means no."""
+    try:
+        with open(library.with_suffix(".sha256"), "rb") as file:
+            record = file.read(RECORD_MAX_BYTES)
+        with open(library, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            # the size first: a file replaced by something of another length is not read whole
+            return record.startswith(f"{size} ".encode()) and _fingerprint(file.read(size + 1)) == record
+    except OSError:
+        return False
 
 
 def _optional_flag_choices() -> list[list[str]]:
@@ -124,21 +157,26 @@ def _optional_flag_choices() -> list[list[str]]:
     ]
 
 
-def _build(cc: str, target: Path) -> None:
-    """Compile `SOURCE_TEXT` in a temporary folder beside the target and move the library into place: concurrent
-    builds never see a partial file."""
+def _build(cc: list[str], target: Path) -> ctypes.CDLL:
+    """Compile `SOURCE_TEXT` in a temporary folder beside the target, load and self-test the library there, then move
+    it into place and record its size and sha256: other processes never see a partial or failing library (a loaded
+    library stays mapped when its file is moved)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as folder:
         source, built = Path(folder) / SOURCE.name, Path(folder) / target.name
         source.write_text(SOURCE_TEXT)
-        command = [cc, *FLAGS, str(source), "-o", str(built)]
+        command = [*cc, *FLAGS, str(source), "-o", str(built)]
         *preferred, plain = _optional_flag_choices()
         for extra in preferred:
             if subprocess.run([*command, *extra], capture_output=True, timeout=300).returncode == 0:
                 break
         else:
             subprocess.run([*command, *plain], check=True, capture_output=True, timeout=300)
+        fingerprint = _fingerprint(built.read_bytes())
+        lib = _trusted(ctypes.CDLL(str(built)), target)
         os.replace(built, target)
+    _write_quietly(target.with_suffix(".sha256"), fingerprint, "the C kernels' size and hash")
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -171,29 +209,101 @@ def library() -> ctypes.CDLL | None:
     return _library
 
 
-def _load(cc: str | None) -> ctypes.CDLL | None:
+def _load(cc: list[str] | None) -> ctypes.CDLL | None:
+    """The cached library where it passes its checks, else a new build that does (see the module docstring)."""
     if cc is None:
-        logger.warning("peft-neuroada: no C compiler found (set CC); using the slower torch ops for sparse products")
+        logger.warning("peft-neuroada: no C compiler found (CC=%r; set CC to one on PATH); using the slower torch ops "
+                       "for sparse products", os.environ.get("CC", ""))  # fmt: skip
         return None
     if SOURCE_TEXT is None:
         logger.warning("peft-neuroada: %s is missing; using the slower torch ops for sparse products", SOURCE)
         return None
     try:
-        path = _library_path(cc)
-        if not path.exists():
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-        _declare(lib)
-        return lib
-    except (OSError, subprocess.SubprocessError, AttributeError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning(
-            "peft-neuroada: could not build the C kernels with %s (%s %s); using the slower torch ops",
-            cc,
-            error,
-            detail.decode(errors="replace")[-2000:],
-        )
+        folder = cache_dir()
+    except RuntimeError as error:  # no $PEFT_NEUROADA_CACHE, and Path.home() finds no home folder
+        logger.warning("peft-neuroada: no folder to cache the C kernels in (%s); set PEFT_NEUROADA_CACHE to one. "
+                       "Using the slower torch ops for sparse products", error)  # fmt: skip
         return None
+    rejected = ""
+    try:
+        path = folder / _library_name(cc)
+        if _matches_record(path):
+            try:
+                return _trusted(ctypes.CDLL(str(path)), path)
+            except Exception as error:  # a wrong library can fail in any way; it is rebuilt
+                rejected = f"the cached {path.name} failed: {error}"
+        elif path.exists():
+            rejected = f"the cached {path.name} does not match its record"
+        lib = _build(cc, path)
+    except Exception as error:  # no failure of a build or a library may escape a dispatch
+        output = getattr(error, "stderr", None)  # the compiler's, where it failed
+        detail = f"{error} {output.decode(errors='replace')[-2000:]}" if isinstance(output, bytes) else str(error)
+        logger.warning(
+            "peft-neuroada: could not build working C kernels with %s (%s%s); using the slower torch ops for sparse "
+            "products. Set CC to a working C compiler, or clear %s",
+            shlex.join(cc), f"{rejected}, then " if rejected else "", detail, folder,
+        )  # fmt: skip
+        return None
+    if rejected:
+        logger.info("peft-neuroada: rebuilt the C kernels (%s)", rejected)
+    return lib
+
+
+def _trusted(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """`lib` with its functions declared, once its self-test passed; `path`: where it is cached (its layout record
+    lies beside it)."""
+    _declare(lib)
+    _self_test(lib)
+    lib.cache_path = path
+    return lib
+
+
+def _self_test(lib: ctypes.CDLL) -> None:
+    """Raise `_Untrusted` unless `lib` computes what the torch ops do: every product and layout on small random
+    float32 and bfloat16 inputs with int16 indices (what layers hand it), at k = 1 and k > 1, for every neuron and
+    for a subset; the entry patch bit for bit. Float32 sums may differ in order, half-precision outputs by rounding."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, d_in, d_out = 5, 11, 7
+    f32, bf16 = torch.float32, torch.bfloat16
+    # every pair of dtype, k and neuron set (all, or a subset) in four cases
+    for dtype, k, subset in ((f32, 1, False), (f32, 3, True), (bf16, 1, True), (bf16, 3, False)):
+        x, grad, base = (torch.randn(tokens, d, generator=generator).to(dtype) for d in (d_in, d_out, d_out))
+        rows = torch.randperm(d_out, generator=generator)[:4].short() if subset else None
+        n = d_out if rows is None else rows.shape[0]
+        cols = torch.rand(n, d_in, generator=generator).argsort(1)[:, :k].short()
+        delta = torch.randn(n, k, generator=generator).to(dtype)
+        for layout in SAMPLED_GRAD_LAYOUTS:
+            got = sampled_grad(x, grad, cols, rows, layout=layout, lib=lib)
+            _expect_close(f"sampled_grad ({layout})", got, torch_ops.sampled_grad(x, grad, cols, rows))
+        got = bypass_forward(x, cols, rows, delta, d_out, lib=lib)
+        _expect_close("bypass_forward", got, torch_ops.bypass_forward(x, cols, rows, delta, d_out))
+        got = bypass_forward(x, cols, rows, delta, d_out, base.clone(), lib=lib)
+        expected = torch_ops.bypass_forward(x, cols, rows, delta, d_out, base.clone())
+        _expect_close("bypass_forward(out=)", got, expected)
+        got = bypass_input_grad(grad, cols, rows, delta, d_in, dtype, lib=lib)
+        _expect_close("bypass_input_grad", got, torch_ops.bypass_input_grad(grad, cols, rows, delta, d_in, dtype))
+        weight = torch.randn(d_out, d_in, generator=generator).to(dtype)
+        original = weight.clone()
+        positions = (torch.arange(d_out)[:, None] if rows is None else rows.long()[:, None], cols.long())
+        expected = weight.clone().index_put_(positions, weight[positions] + delta.to(dtype))
+        patch = EntryPatch(weight, cols, rows, delta, lib=lib)
+        patch.apply()
+        patched = weight.clone()
+        patch.restore()
+        if not (_bits(patched).equal(_bits(expected)) and _bits(weight).equal(_bits(original))):
+            raise _Untrusted(f"the entry patch differs from w + delta.to(w.dtype) or its undo ({dtype}, k={k})")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _expect_close(product: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    tolerance = 1e-4 if got.dtype == torch.float32 else 4 * torch.finfo(got.dtype).eps
+    scale = expected.double().abs().max().item() + 1
+    error = (got.double() - expected.double()).abs().max().item() if got.shape == expected.shape else float("nan")
+    if got.dtype != expected.dtype or not error <= tolerance * scale:  # NaN compares false
+        raise _Untrusted(f"{product} differs from the torch ops ({expected.dtype}, {tuple(expected.shape)}: {error})")
 
 
 def available() -> bool:
@@ -232,11 +342,14 @@ def sampled_grad(
     rows: torch.Tensor | None,
     phases: dict[str, float] | None = None,
     layout: str | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """`phases`, when given, receives the seconds the calling thread spent in each of `SAMPLED_GRAD_PHASES` (where a
     call's time goes: benchmarks/primitives.py). `layout` ("dot" or "gather", as tests and benchmarks ask for one)
-    defaults to `sampled_grad_layout` for k and the inputs' dtypes."""
-    lib = _required()
+    defaults to `sampled_grad_layout` for k and the inputs' dtypes. `lib`: a library other than the process's (one
+    being self-tested), here and in the other products."""
+    lib = _required() if lib is None else lib
     n, k = cols.shape
     layout = layout or sampled_grad_layout(k, (x2d.dtype, grad2d.dtype))
     out = torch.empty(n, k, dtype=torch.float32)
@@ -267,14 +380,24 @@ def gather_measured_faster() -> bool:
     lib = _required()
     known = vars(lib).get("gather_faster")  # (a plain getattr would look the name up as a C symbol)
     if known is None:
-        record = Path(lib._name).with_suffix(".layout")
-        try:
-            known = record.read_text().split()[0] == "gather"
-        except (OSError, IndexError):
+        record = lib.cache_path.with_suffix(".layout")
+        known = _recorded_layout(record)
+        if known is None:
             known, detail = _measure_gather()
-            _write_quietly(record, f"{'gather' if known else 'dot'} ({detail})\n")
+            _write_quietly(record, f"{'gather' if known else 'dot'} ({detail})\n".encode(), "the measured layout")
         lib.gather_faster = known
     return known
+
+
+def _recorded_layout(record: Path) -> bool | None:
+    """Whether `record` names the gather layout (True) or the dot layout (False); None for anything else."""
+    try:
+        with open(record, "rb") as file:
+            content = file.read(RECORD_MAX_BYTES + 1)
+    except OSError:
+        return None
+    words = content.split(maxsplit=1) if len(content) <= RECORD_MAX_BYTES else []
+    return {b"gather": True, b"dot": False}.get(words[0]) if words else None
 
 
 def _measure_gather() -> tuple[bool, str]:
@@ -292,13 +415,13 @@ def _measure_gather() -> tuple[bool, str]:
     return fastest["gather"] < fastest["dot"], f"k=1, 512 x 576 -> 576, {torch.get_num_threads()} threads: {detail}"
 
 
-def _write_quietly(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all; an unwritable cache only means the measurement is repeated in the
-    next process."""
+def _write_quietly(path: Path, data: bytes, what: str) -> None:
+    """Write `data` to `path` whole or not at all; an unwritable record only means that the next process measures or
+    builds again."""
     try:
-        write_atomically(path, lambda temporary: Path(temporary).write_text(text))
+        write_atomically(path, lambda temporary: Path(temporary).write_bytes(data))
     except OSError:
-        logger.debug("peft-neuroada: could not record the measured layout in %s", path)
+        logger.debug("peft-neuroada: could not record %s in %s", what, path)
 
 
 def bypass_forward(
@@ -308,8 +431,10 @@ def bypass_forward(
     delta: torch.Tensor,
     d_out: int,
     out: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    lib = _required()
+    lib = _required() if lib is None else lib
     n, k = cols.shape
     accumulate = out is not None
     out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
@@ -339,8 +464,10 @@ def bypass_input_grad(
     d_in: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    *,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    lib = _required()
+    lib = _required() if lib is None else lib
     n, k = cols.shape
     accumulate = out is not None
     out = torch.empty(grad2d.shape[0], d_in, dtype=dtype) if out is None else out
@@ -383,8 +510,16 @@ class EntryPatch:
     `patch_facts`; such a patch keeps no reference to them between visits (a kept patch never keeps a model's
     deltas or indices alive)."""
 
-    def __init__(self, weight: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None, delta: torch.Tensor):
-        lib = _required()
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        cols: torch.Tensor,
+        rows: torch.Tensor | None,
+        delta: torch.Tensor,
+        *,
+        lib: ctypes.CDLL | None = None,
+    ):
+        lib = _required() if lib is None else lib
         n, k = cols.shape
         place, contiguous_cols, contiguous_rows = _placement(cols, rows)
         contiguous_delta = delta.detach().contiguous()

@@ -1,0 +1,271 @@
+"""What lies in the kernel cache is untrusted input, and a compiler can be broken: a damaged or wrong library, or a
+garbled record beside one, never crashes a process and never changes a result. The kernels are rebuilt where that
+helps; where it does not, the torch ops serve, after one warning.
+
+The libraries here are built by the system compiler at -O0 (a fifth of the build time: these specs are about what the
+loader trusts, not about optimised code). Damaged libraries are loaded in fresh processes: a crash would end pytest."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peft_neuroada import kernels
+from peft_neuroada.kernels import cpu, torch_ops
+
+COMPILER = cpu.compiler()
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+
+# Every function neuroada_cpu.c exports, each reporting success without computing anything.
+WRONG_SOURCE = """
+int na_sampled_grad() { return 0; }
+int na_bypass_forward() { return 0; }
+int na_bypass_input_grad() { return 0; }
+int na_patch_entries() { return 0; }
+int na_restore_entries() { return 0; }
+int na_vector_width() { return 8; }
+int na_uses_openmp() { return 0; }
+"""
+
+
+def products_match_torch_ops() -> str:
+    """Check every product, through the dispatcher, against the torch ops (k = 1 reads the measured layout, k = 5 a
+    subset of neurons; int16 columns; the entry patch where the C kernels serve); returns the backend that served."""
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(37, 50, generator=generator), torch.randn(37, 70, generator=generator)
+    for k, rows in ((1, None), (5, torch.randperm(70, generator=generator)[:40])):
+        n = 70 if rows is None else 40
+        cols = torch.rand(n, 50, generator=generator).argsort(1)[:, :k].short()
+        delta, base = torch.randn(n, k, generator=generator), torch.randn(37, 70, generator=generator)
+        pairs = [
+            (kernels.sampled_grad(x, grad, cols, rows), torch_ops.sampled_grad(x, grad, cols, rows)),
+            (kernels.bypass_forward(x, cols, rows, delta, 70), torch_ops.bypass_forward(x, cols, rows, delta, 70)),
+            (
+                kernels.bypass_forward(x, cols, rows, delta, 70, out=base.clone()),
+                torch_ops.bypass_forward(x, cols, rows, delta, 70, base.clone()),
+            ),
+            (
+                kernels.bypass_input_grad(grad, cols, rows, delta, 50),
+                torch_ops.bypass_input_grad(grad, cols, rows, delta, 50, torch.float32),
+            ),
+        ]
+        for got, expected in pairs:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        weight = torch.randn(70, 50, generator=generator)
+        if kernels.patches_entries(weight, delta):
+            original = weight.clone()
+            positions = (torch.arange(70)[:, None] if rows is None else rows[:, None], cols.long())
+            expected = weight.clone().index_put_(positions, weight[positions] + delta)
+            entries = kernels.entry_patch(weight, cols, rows, delta)
+            entries.apply()
+            assert torch.equal(weight, expected)
+            entries.restore()
+            assert torch.equal(weight, original)
+    return kernels.choose_backend("sampled_grad", x, grad)
+
+
+def run_in_fresh_process() -> subprocess.CompletedProcess:
+    """`products_match_torch_ops` in a new Python process with this process's environment; prints the backend."""
+    code = f"""
+import sys, types
+package = types.ModuleType("peft_neuroada")  # the kernels without the tuner (peft, transformers): 2 s, not 9
+package.__path__ = [{str(Path(kernels.__file__).parents[1])!r}]
+sys.modules["peft_neuroada"] = package
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_kernel_cache import products_match_torch_ops
+print(products_match_torch_ops())
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def library_in(cache: Path) -> Path:
+    (library,) = (cache / "kernels").glob("neuroada_cpu-*.so")
+    return library
+
+
+def record_of(content: bytes) -> bytes:
+    """The integrity record written beside a library: its size and sha256."""
+    return f"{len(content)} {hashlib.sha256(content).hexdigest()}\n".encode()
+
+
+def is_recorded(library: Path) -> bool:
+    return library.with_suffix(".sha256").read_bytes() == record_of(library.read_bytes())
+
+
+def peft_neuroada_warnings(caplog) -> list[str]:
+    ours = (r for r in caplog.records if r.name.startswith("peft_neuroada"))
+    return [r.getMessage() for r in ours if r.levelno >= logging.WARNING]
+
+
+def executable(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fast_cc(tmp_path_factory) -> str:
+    """The system compiler at -O0, as a script to use as `CC`."""
+    script = tmp_path_factory.mktemp("fast-cc") / "cc"
+    return executable(script, f'#!/bin/sh\nexec {shlex.join(COMPILER)} "$@" -O0\n')
+
+
+@pytest.fixture(scope="module")
+def wrong_cc(tmp_path_factory) -> str:
+    """A compiler that builds `WRONG_SOURCE` for any source it is given: a library that loads but computes nothing."""
+    folder = tmp_path_factory.mktemp("wrong-cc")
+    wrong = folder / "wrong.c"
+    wrong.write_text(WRONG_SOURCE)
+    swap = f'for arg do shift; case $arg in *.c) arg={shlex.quote(str(wrong))};; esac; set -- "$@" "$arg"; done\n'
+    return executable(folder / "cc", f'#!/bin/sh\n{swap}exec {shlex.join(COMPILER)} "$@"\n')
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, fast_cc) -> Path:
+    """A kernel cache holding one library built with `fast_cc`, its integrity record and its measured layout."""
+    root = tmp_path_factory.mktemp("pristine")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CC", fast_cc)
+        patch.setenv("PEFT_NEUROADA_CACHE", str(root))
+        patch.setattr(cpu, "_library", cpu._UNLOADED)
+        assert cpu.sampled_grad_layout(1) in cpu.SAMPLED_GRAD_LAYOUTS
+    return root
+
+
+@pytest.fixture
+def first_use(monkeypatch, fast_cc):
+    """The kernels not loaded yet in this process (as in a new one), built with `fast_cc` when built."""
+    monkeypatch.setenv("CC", fast_cc)
+    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)
+
+
+@pytest.fixture
+def cache(pristine, tmp_path, monkeypatch, first_use) -> Path:
+    """A copy of the pristine cache, the one this process and its children use."""
+    root = tmp_path / "cache"
+    shutil.copytree(pristine, root)
+    monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch, first_use) -> Path:
+    monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def no_home() -> Path:
+    raise RuntimeError("Could not determine home directory.")
+
+
+DAMAGES = {
+    "truncated-to-half": lambda data: data[: len(data) // 2],
+    "second-half-zeroed": lambda data: data[: len(data) // 2] + bytes(len(data) - len(data) // 2),
+    "random-bytes": lambda data: random.Random(0).randbytes(len(data)),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_cached_library_is_never_loaded_but_rebuilt(cache, damage):
+    """`dlopen` of a truncated library kills the process (SIGBUS); its bytes differ from the recorded size and hash."""
+    library = library_in(cache)
+    damaged = DAMAGES[damage](library.read_bytes())
+    library.write_bytes(damaged)
+    result = run_in_fresh_process()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "cpu"
+    assert library.read_bytes() != damaged and is_recorded(library)
+
+
+@pytest.mark.parametrize("planted", ["not-a-library", "a-wrong-library"])
+def test_a_cached_library_that_matches_its_record_but_fails_to_load_or_to_compute_is_rebuilt(
+    cache, planted, wrong_cc, tmp_path
+):
+    library = library_in(cache)
+    if planted == "not-a-library":
+        content = random.Random(0).randbytes(5000)
+    else:
+        subprocess.run([wrong_cc, "-shared", "-fPIC", "any.c", "-o", str(tmp_path / "wrong.so")], check=True)
+        content = (tmp_path / "wrong.so").read_bytes()
+    library.write_bytes(content)
+    library.with_suffix(".sha256").write_bytes(record_of(content))
+    assert products_match_torch_ops() == "cpu"
+    assert library.read_bytes() != content and is_recorded(library)
+
+
+GARBAGE = {
+    "not-utf8": b"\xff\xfe gather \xc0\x80",
+    "empty": b"",
+    "huge": b"gather " * 100_000,
+    "wrong-words": b"sideways 123 abc\n",
+}
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+def test_garbled_records_beside_the_library_mean_building_and_measuring_again(cache, garbage):
+    library = library_in(cache)
+    layout = library.with_suffix(".layout")
+    for record in (library.with_suffix(".sha256"), layout):
+        record.write_bytes(GARBAGE[garbage])
+    assert products_match_torch_ops() == "cpu"
+    assert is_recorded(library)
+    assert layout.read_bytes() != GARBAGE[garbage] and layout.read_bytes().split()[0] in (b"gather", b"dot")
+
+
+def test_a_compiler_that_builds_a_wrong_library_leaves_the_torch_ops_serving_after_one_warning(
+    empty_cache, wrong_cc, monkeypatch, caplog
+):
+    """The library loads but computes nothing: it fails its self-test, is never moved into the cache, and the one
+    warning says what to do."""
+    monkeypatch.setenv("CC", wrong_cc)
+    assert products_match_torch_ops() == "torch"
+    assert not list(empty_cache.rglob("*.so"))
+    (warning,) = peft_neuroada_warnings(caplog)
+    assert "differs from the torch ops" in warning and "Set CC to a working C compiler, or clear" in warning
+
+
+def test_cc_is_split_as_a_shell_splits_it(empty_cache, fast_cc, tmp_path, monkeypatch):
+    """`CC="ccache gcc"`: the first word is the program, found on PATH; the others lead its arguments. The key of the
+    cached library covers them."""
+    folder = tmp_path / "a folder"
+    folder.mkdir()
+    log = tmp_path / "launched"
+    launcher = executable(folder / "launcher", f'#!/bin/sh\necho "$1" >> {shlex.quote(str(log))}\nexec "$@"\n')
+    monkeypatch.setenv("CC", f"{shlex.quote(launcher)} {shlex.quote(fast_cc)}")
+    assert cpu.compiler() == [launcher, fast_cc]
+    assert products_match_torch_ops() == "cpu"
+    assert set(log.read_text().split()) == {fast_cc}
+    assert is_recorded(library_in(empty_cache))
+    monkeypatch.delenv("CC")
+    default = cpu.compiler()
+    monkeypatch.setenv("CC", "")
+    assert cpu.compiler() == default
+    for value in ("no-such-compiler gcc", f"'{launcher}"):  # not on PATH; unbalanced quotes
+        monkeypatch.setenv("CC", value)
+        assert cpu.compiler() is None
+
+
+def test_a_named_cache_serves_a_process_without_a_home_folder(cache, monkeypatch, caplog):
+    """As in a container whose user has no passwd entry: `Path.home()` raises."""
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    assert products_match_torch_ops() == "cpu"
+    assert not peft_neuroada_warnings(caplog)
+
+
+def test_with_no_cache_folder_at_all_the_torch_ops_serve_after_one_warning(first_use, monkeypatch, caplog):
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("PEFT_NEUROADA_CACHE", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    assert products_match_torch_ops() == "torch"
+    (warning,) = peft_neuroada_warnings(caplog)
+    assert "set PEFT_NEUROADA_CACHE" in warning
