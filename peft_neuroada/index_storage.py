@@ -51,6 +51,20 @@ def from_buffer(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) -> to
     return buffer.view(PACKED_DTYPE)[: n * k].view(n, k)
 
 
+def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int], d_in: int) -> str | None:
+    """What is wrong with `buffer` as the index buffer `to_buffer` makes for (n, k) columns of a layer with `d_in`
+    inputs, or None. A buffer of another dtype or size holds no columns at all: viewed as int16 pairs, a cast or
+    resized buffer would read as other, possibly valid, columns."""
+    n, k = shape
+    packed = index_dtype(d_in) == PACKED_DTYPE and _PACKS
+    expected = (n * k + 1) // 2 if packed else (n, k)
+    held = buffer.numel() if packed else tuple(buffer.shape)
+    if buffer.dtype != BUFFER_DTYPE or buffer.dim() != (1 if packed else 2) or held != expected:
+        wanted = f"{expected} int32 pairs of int16 columns" if packed else f"int32 columns of shape {expected}"
+        return f"is a {buffer.dtype} tensor of shape {tuple(buffer.shape)}, where {wanted} belong"
+    return None
+
+
 def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """The (n, k) columns a saved index tensor holds: a packed buffer (int16 pairs in int32) or (n, k) columns.
 
@@ -69,28 +83,38 @@ def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
 
 
-def checked_indices(layer: str, attribute: str, indices: torch.Tensor, bound: int) -> torch.Tensor:
-    """`indices` (a layer's (n, k) columns or (n,) rows) if they are what selection makes: integers in [0, bound), no
-    column twice in a row, no neuron twice. Raises naming the layer otherwise (kernels and merges would write other
-    weight entries). Values on the meta device are not checked."""
+def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices") -> str | None:
+    """What makes `indices` (a layer's (n, k) columns or (n,) rows) differ from what selection makes (integers in
+    [0, bound), no column twice in a row, no neuron twice), or None. Kernels and merges would write other weight
+    entries otherwise. Values on the meta device are not checked."""
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        return f"have dtype {indices.dtype}, not integer"
+    if indices.is_meta or not indices.numel():
+        return None
+    # Compared as Python ints: torch compares an int16 tensor with 32768 in int16, where it wraps to -32768.
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= bound:
+        what = "inputs" if attribute == "neuroada_indices" else "outputs"
+        return f"range over [{low}, {high}] but the layer has only {bound} {what}"
+    if _repeats(indices):
+        return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
+    return None
+
+
+def checked_indices(layer: str, attribute: str, indices: torch.Tensor, bound: int) -> torch.Tensor:
+    """`indices` read from a saved adapter if `index_problem` finds nothing; raises naming the layer otherwise."""
+    problem = index_problem(indices, bound, attribute)
+    if problem is None:
+        return indices
+    if problem.startswith("range"):
         raise ValueError(
-            f"The NeuroAda adapter's {attribute} for layer '{layer}' have dtype {indices.dtype}, not integer."
-        )
-    if indices.numel() and not indices.is_meta and (indices.min() < 0 or indices.max() >= bound):
-        raise ValueError(
-            f"The NeuroAda adapter does not fit the base model at layer '{layer}': its {attribute} range over "
-            f"[{int(indices.min())}, {int(indices.max())}] but the layer has only {bound} "
-            f"{'inputs' if attribute == 'neuroada_indices' else 'outputs'}. "
+            f"The NeuroAda adapter does not fit the base model at layer '{layer}': its {attribute} {problem}. "
             "Load the adapter on the base model it was trained on."
         )
-    if _repeats(indices):
-        where = "a column twice within a neuron's row" if attribute == "neuroada_indices" else "a neuron twice"
-        raise ValueError(
-            f"The NeuroAda adapter's {attribute} for layer '{layer}' name {where}; selection never does, so the file "
-            "is damaged or was edited. Save the adapter again from the model it was trained in."
-        )
-    return indices
+    raise ValueError(
+        f"The NeuroAda adapter's {attribute} for layer '{layer}' {problem}; selection never makes such indices, so "
+        "the file is damaged or was edited. Save the adapter again from the model it was trained in."
+    )
 
 
 def _repeats(indices: torch.Tensor) -> bool:

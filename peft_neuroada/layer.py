@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -29,7 +30,7 @@ from .functional import (
     weight_lock,
     write_placed_,
 )
-from .index_storage import checked_indices, from_buffer, saved_columns, to_buffer
+from .index_storage import buffer_problem, checked_indices, from_buffer, index_problem, saved_columns, to_buffer
 from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
 from .selection import INDEX_DTYPE, layer_generator, select_inputs, select_neurons
 
@@ -231,24 +232,51 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     def placement(self, adapter_name: str) -> Placement:
         """The adapter's placement: the same objects from call to call while its index buffer, its rows and its deltas'
-        shape are, so that what backward derives from the columns (`functional.COLUMN_COMPACTIONS`) is kept."""
-        buffer = self.neuroada_indices[adapter_name]
-        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
+        shape are unchanged, so that what backward derives from the columns (`functional.COLUMN_COMPACTIONS`) is kept.
+
+        Index buffers are checked whenever they may have changed, before a kernel or a merge reads them: a new buffer
+        (from selection, from peft's loading, or from a loader that assigns tensors by name, like transformers'
+        load_adapter), and one written in place (`load_state_dict` copying into it, as accelerate, DeepSpeed and FSDP
+        resumes do; a `copy_`), which its version counter shows. Writes through `.data` bypass version counters, and
+        so this check, as they bypass autograd's own."""
+        buffer = _versioned(self.neuroada_indices, adapter_name)
+        rows = _versioned(self.neuroada_rows, adapter_name) if adapter_name in self.neuroada_rows else None
         shape = self.neuroada_delta[adapter_name].shape
         if torch.compiler.is_compiling():  # dynamo would guard on the cache's contents
             return Placement(from_buffer(buffer, shape), rows)
+        state = (_tensor_state(buffer), _tensor_state(rows), shape)
         kept = _PLACEMENTS.get(self)
         if kept is None:
             kept = _PLACEMENTS[self] = {}
         made = kept.get(adapter_name)
-        if made is None or made[0] is not buffer or made[1] is not rows or made[2] != shape:
-            # A new buffer (from selection, from peft's loading, or from a loader that assigns tensors by name, like
-            # transformers' load_adapter) is checked once, before a kernel or a merge reads it.
-            cols = checked_indices(self.layer_name, "neuroada_indices", from_buffer(buffer, shape), self.in_features)
-            if rows is not None:
-                checked_indices(self.layer_name, "neuroada_rows", rows, self.out_features)
-            made = kept[adapter_name] = (buffer, rows, shape, Placement(cols, rows))
+        if made is None or made[2] != state:
+            # (the tensors themselves are kept in the entry, so an id in `state` is never reused while it is kept)
+            with torch.inference_mode(False):  # views made in inference mode would have no version counter
+                placement = self._checked_placement(adapter_name, buffer, rows)
+            made = kept[adapter_name] = (buffer, rows, state, placement)
         return made[3]
+
+    def _checked_placement(self, adapter_name: str, buffer: torch.Tensor, rows: torch.Tensor | None) -> Placement:
+        shape = self.neuroada_delta[adapter_name].shape
+        problem = buffer_problem(buffer, shape, self.in_features)
+        attribute = "neuroada_indices"
+        if problem is None:
+            cols = from_buffer(buffer, shape)
+            problem = index_problem(cols, self.in_features)
+        if problem is None and rows is not None:
+            attribute = "neuroada_rows"
+            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
+            problem = problem or index_problem(rows, self.out_features, attribute)
+        if problem is not None:
+            raise ValueError(
+                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its {attribute} "
+                f"{problem}. They were loaded or changed after the adapter was made (load_state_dict or a checkpoint "
+                "resume copying other tensors in, a write into the buffer, a conversion of every tensor such as "
+                "`model.type(...)`), or the adapter was trained on another base model. Nothing was computed or "
+                "written: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter) on "
+                "the base model it was trained on."
+            )
+        return Placement(cols, rows)
 
     def _check_unmerged(self, adapter_name: str) -> None:
         if adapter_name in self.merged_adapters:
@@ -489,6 +517,21 @@ class NeuroAdaLayer(BaseTunerLayer):
                     if name not in self.merged_adapters:
                         self.merged_adapters.append(name)
             raise
+
+
+def _versioned(container: BufferDict, name: str) -> torch.Tensor:
+    """`container[name]`, made an ordinary tensor if it is an inference tensor (created or loaded under
+    `torch.inference_mode()`): those have no version counter, so a write into them could not be seen."""
+    tensor = container[name]
+    if tensor.is_inference() and not torch.compiler.is_compiling():
+        with torch.inference_mode(False):
+            tensor = container[name] = tensor.clone()
+    return tensor
+
+
+def _tensor_state(tensor: torch.Tensor | None) -> tuple | None:
+    """What changes when a tensor is replaced, re-pointed (`.data = ...`) or written in place (its version)."""
+    return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version)
 
 
 def _check_finite(adapter_name: str, merged: torch.Tensor, safe_merge: bool) -> None:

@@ -32,6 +32,7 @@ from .config import (
     NeuroAdaConfig,
     default_targets,
 )
+from .index_storage import buffer_problem, from_buffer, index_problem
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
@@ -67,7 +68,7 @@ class NeuroAdaModel(BaseTuner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(_refuse_changing_merged_adapters)
+        self.register_load_state_dict_pre_hook(_check_tensors_before_load)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         """peft runs `_pre_injection_hook` before the first adapter only: an adapter added later (`add_adapter`,
@@ -82,15 +83,18 @@ class NeuroAdaModel(BaseTuner):
         return peft_config
 
     def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
-        """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models, and
-        layers whose quantized weights hold merged adapters."""
+        """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models, layers
+        whose quantized weights hold merged adapters, and a loaded config that would create other deltas than its
+        weights file holds."""
         if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules()):
             raise ValueError(
                 "NeuroAda must be added before the model is sharded: call get_peft_model on the plain model, then "
                 "wrap it with fully_shard / FullyShardedDataParallel / accelerator.prepare (see docs/distributed.md)."
             )
+        targeted = targeted_modules(model, config)
+        config.check_saved_deltas((_without_wrapper_names(name), module) for name, module in targeted)
         unsupported, unreadable, unready = {}, {}, {}
-        for name, module in targeted_modules(model, config):
+        for name, module in targeted:
             if isinstance(module, NeuroAdaLayer) and module.merged_into_quantized_weight():
                 raise ValueError(
                     f"Cannot add a NeuroAda adapter to '{name}' while adapters are merged into its quantized weight: "
@@ -541,29 +545,57 @@ def _entries_of_wrapped_layers(
     return entries
 
 
-def _refuse_changing_merged_adapters(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_) -> None:
-    """Refuse, before anything loads, a state dict that would change a merged adapter's deltas or indices: the merged
-    weights would go on serving the old values. `load_state_dict` and `set_peft_model_state_dict` both run this
-    first (it is a load pre-hook of the tuner model, which holds every adapter layer)."""
+def _check_tensors_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_) -> None:
+    """Refuse, before anything loads, a state dict that would copy invalid indices into an adapter's index buffers
+    (what `load_state_dict` does in accelerate, DeepSpeed and FSDP resumes; kernels and merges would write other
+    weight entries), or change a merged adapter's deltas or indices (the merged weights would go on serving the old
+    values). `load_state_dict` and `set_peft_model_state_dict` both run this first: it is a load pre-hook of the
+    tuner model, which holds every adapter layer."""
     for name, layer in model.named_modules():
-        if not isinstance(layer, NeuroAdaLayer):
-            continue
-        for adapter in layer.merged_adapters:
-            for attribute in SAVED_TENSORS:
-                key, container = f"{prefix}{name}.{attribute}.{adapter}", getattr(layer, attribute)
-                if (
-                    key in state_dict
-                    and adapter in container
-                    and not _same_values(state_dict[key], container[adapter])
-                ):
-                    raise ValueError(
-                        f"Cannot load new values into adapter '{adapter}' (layer '{prefix}{name}'): it is merged "
-                        "into the base weights, which would keep serving its old values. Unmerge it first "
-                        "(`model.unmerge_adapter()`), load, then merge again if you want it merged."
-                    )
+        if isinstance(layer, NeuroAdaLayer):
+            _check_layer_tensors_before_load(layer, f"{prefix}{name}", state_dict)
+
+
+def _check_layer_tensors_before_load(layer: NeuroAdaLayer, name: str, state_dict: dict[str, torch.Tensor]) -> None:
+    for adapter in layer.neuroada_delta:
+        shape = layer.neuroada_delta[adapter].shape
+        loaded = {attribute: state_dict.get(f"{name}.{attribute}.{adapter}") for attribute in SAVED_TENSORS}
+        problem = None
+        if loaded["neuroada_indices"] is not None:
+            buffer = loaded["neuroada_indices"]
+            problem = buffer_problem(buffer, shape, layer.in_features)
+            problem = problem or index_problem(from_buffer(buffer, shape), layer.in_features)
+            if problem:
+                problem = f"its neuroada_indices {problem}"
+        if loaded["neuroada_rows"] is not None and not problem:
+            if rows_problem := index_problem(loaded["neuroada_rows"], layer.out_features, "neuroada_rows"):
+                problem = f"its neuroada_rows {rows_problem}"
+        if problem:
+            raise ValueError(
+                f"Refusing to load adapter '{adapter}' at layer '{name}': {problem}. Nothing was loaded. The state "
+                "dict does not hold this adapter as saved from this model (damaged, edited, or from another adapter "
+                "or base model): load a checkpoint of this model, or load the adapter from its saved files."
+            )
+        if adapter in layer.merged_adapters and any(
+            tensor is not None and not _same_values(tensor, getattr(layer, attribute)[adapter])
+            for attribute, tensor in loaded.items()
+            if adapter in getattr(layer, attribute)
+        ):
+            raise ValueError(
+                f"Cannot load new values into adapter '{adapter}' (layer '{name}'): it is merged into the base "
+                "weights, which would keep serving its old values. Unmerge it first (`model.unmerge_adapter()`), "
+                "load, then merge again if you want it merged."
+            )
 
 
 def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
     if loaded.shape != current.shape or loaded.is_meta:
         return False
     return torch.equal(loaded.to(device=current.device, dtype=current.dtype), current.detach())
+
+
+def _without_wrapper_names(name: str) -> str:
+    """A module's name as state-dict keys give it: without FSDP1 or activation-checkpointing wrapper names."""
+    for wrapper in _WRAPPER_NAMES:
+        name = name.replace(wrapper, "")
+    return name

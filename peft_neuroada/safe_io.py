@@ -2,7 +2,9 @@
 
 peft writes adapter weights with safetensors' `save_file` straight onto the final path and reads them with
 `load_file`, so a save interrupted mid-write destroys the previous adapter, and a damaged file fails with a bare
-parser message. Importing `peft_neuroada` routes both of peft's calls through the wrappers below, narrowly:
+parser message. peft then writes the config, so a save interrupted between the two files pairs new weights with the
+old config. Importing `peft_neuroada` routes both of peft's calls through the wrappers below, which keep the folder's
+consistent pair until the config commits the new one (atomic_file.py), narrowly:
 
 * only NeuroAda adapters are affected: other methods' tensors go to safetensors' own `save_file` unchanged, and their
   load errors propagate unchanged;
@@ -14,41 +16,61 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import peft.peft_model
 import peft.utils.save_and_load
 import safetensors.torch
+from peft.utils import CONFIG_NAME
 from safetensors import SafetensorError
 
-from .atomic_file import write_atomically
+from .atomic_file import keep_previous_pair, weights_to_read, write_atomically
 from .config import METHOD_NAME, PREFIX
 
 
 def save_file(tensors: dict, filename: str | os.PathLike, metadata: dict | None = None) -> None:
-    """safetensors' `save_file`, atomic for NeuroAda adapters."""
+    """safetensors' `save_file`, atomic for NeuroAda adapters; over an existing adapter, the previous weights and
+    config stay readable until the new config is written (`NeuroAdaConfig.save_pretrained` commits)."""
     if not any(f".{PREFIX}" in key for key in tensors):
         safetensors.torch.save_file(tensors, filename, metadata=metadata)
         return
-    write_atomically(filename, lambda temporary: safetensors.torch.save_file(tensors, temporary, metadata=metadata))
+    weights = Path(filename)
+
+    def write(temporary: str) -> None:
+        safetensors.torch.save_file(tensors, temporary, metadata=metadata)
+        # Only once the new weights are whole: a write that fails leaves the folder as it was.
+        keep_previous_pair(weights, weights.with_name(CONFIG_NAME))
+
+    write_atomically(weights, write)
 
 
 def load_file(filename: str | os.PathLike, device: str | int = "cpu") -> dict:
-    """safetensors' `load_file`; a damaged NeuroAda adapter file raises a ValueError that says what to do."""
+    """safetensors' `load_file` of the weights that belong to the folder's config (the previous ones, with a warning,
+    after a save interrupted before its config); a damaged NeuroAda adapter file raises a ValueError that says what
+    to do."""
+    asked = Path(filename)
+    weights = weights_to_read(asked, asked.with_name(CONFIG_NAME))
+    if weights != asked:
+        warnings.warn(
+            f"The last save into '{asked.parent}' was interrupted before its {CONFIG_NAME} was written: loading the "
+            f"adapter saved before it (its weights were kept as '{weights.name}'). Save the adapter again.",
+            stacklevel=2,
+        )
     try:
-        return safetensors.torch.load_file(filename, device=device)
+        return safetensors.torch.load_file(weights, device=device)
     except SafetensorError as error:
-        if not _is_neuroada_adapter(Path(filename).parent):
+        if not _is_neuroada_adapter(weights.parent):
             raise
         raise ValueError(
-            f"The adapter weights file '{filename}' is damaged and cannot be read ({error}). It was probably "
+            f"The adapter weights file '{weights}' is damaged and cannot be read ({error}). It was probably "
             "truncated by an interrupted copy or download: download or save the adapter again."
         ) from error
 
 
 def _is_neuroada_adapter(directory: Path) -> bool:
     try:
-        config = json.loads((directory / "adapter_config.json").read_text())
+        config = json.loads((directory / CONFIG_NAME).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and config.get("peft_type") == METHOD_NAME.upper()

@@ -6,6 +6,7 @@ import importlib
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftConfig, PeftModel, PeftType, get_peft_model
@@ -73,21 +74,87 @@ def test_config_roundtrips_through_json(tmp_path):
     assert (loaded.k, loaded.target_modules, loaded.delta_dtype) == (20, {"q_proj"}, "bfloat16")
 
 
+INVALID_FIELDS = [
+    ({"k": 0}, "k must be a positive integer"),
+    ({"k": 2.5}, "k must be a positive integer"),
+    ({"k": True}, "k must be a positive integer"),
+    ({"k": "20"}, "k must be a positive integer"),
+    ({"bias": "lora_only"}, "bias must be one of"),
+    ({"delta_dtype": "int8"}, "delta_dtype must be one of"),
+    ({"delta_dtype": ["float32"]}, "delta_dtype must be one of"),
+    ({"selection": 3}, "selection must be one of"),
+    ({"layers_pattern": "layers"}, "layers_pattern only has an effect together with layers_to_transform"),
+    ({"neuron_fraction": 0}, r"neuron_fraction must be in \(0, 1\]"),
+    ({"neuron_fraction": 1.5}, r"neuron_fraction must be in \(0, 1\]"),
+    ({"neuron_fraction": float("nan")}, r"neuron_fraction must be in \(0, 1\]"),
+    ({"neuron_fraction": "0.5"}, r"neuron_fraction must be in \(0, 1\]: a number"),
+    ({"neuron_fraction": True}, r"neuron_fraction must be in \(0, 1\]: a number"),
+    ({"selection_seed": 2**64}, r"selection_seed must be an integer from -2\*\*63 to 2\*\*64 - 1"),
+    ({"selection_seed": -(2**63) - 1}, "selection_seed must be an integer from"),
+    ({"selection_seed": 1.5}, "selection_seed must be an integer from"),
+    ({"selection_seed": False}, "selection_seed must be an integer from"),
+    ({"fan_in_fan_out": "no"}, "fan_in_fan_out must be True or False"),
+    ({"init_weights": 0}, "init_weights must be True or False"),
+    ({"inplace_forward": "no"}, "inplace_forward must be True or False"),
+    ({"target_modules": 5}, "target_modules must be None, a string .* or a list or set of module names"),
+    ({"target_modules": ["q_proj", 5]}, "target_modules must be None"),
+    ({"target_modules": ("q_proj",)}, "target_modules must be None"),
+    ({"exclude_modules": [None]}, "exclude_modules must be None, a regex or a list or set of module names"),
+    ({"layers_to_transform": -1}, "layers_to_transform must be None, a layer index"),
+    ({"layers_to_transform": [0, -1]}, "layers_to_transform must be None, a layer index"),
+    ({"layers_to_transform": "0"}, "layers_to_transform must be None, a layer index"),
+    ({"layers_to_transform": [True]}, "layers_to_transform must be None, a layer index"),
+    ({"layers_to_transform": [0], "layers_pattern": 3}, "layers_pattern must be None, the name of the model's"),
+    ({"modules_to_save": "classifier"}, "modules_to_save must be None or a list of module names"),
+    ({"modules_to_save": [1]}, "modules_to_save must be None or a list of module names"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), INVALID_FIELDS)
+def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
+    """Every field is checked for its type and range, and the message names the field and what it accepts."""
+    with pytest.raises(ValueError, match=rf"NeuroAdaConfig\.{message}"):
+        NeuroAdaConfig(**kwargs)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [
-        ({"k": 0}, "k must be a positive integer"),
-        ({"k": 2.5}, "k must be a positive integer"),
-        ({"bias": "lora_only"}, "bias must be one of"),
-        ({"delta_dtype": "int8"}, "delta_dtype must be one of"),
-        ({"layers_pattern": "layers"}, "only has an effect together with layers_to_transform"),
-        ({"neuron_fraction": 0}, r"neuron_fraction must be in \(0, 1\]"),
-        ({"neuron_fraction": 1.5}, r"neuron_fraction must be in \(0, 1\]"),
-    ],
+    [case for case in INVALID_FIELDS if not isinstance(case[0].get("target_modules"), tuple)],  # JSON has no tuples
 )
-def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        NeuroAdaConfig(**kwargs)
+def test_invalid_fields_of_a_saved_config_are_refused_by_name_on_load(tmp_path, kwargs, message):
+    """peft builds a loaded config from the JSON file's keys, so a hand-edited file meets the same checks."""
+    NeuroAdaConfig(k=2).save_pretrained(tmp_path)
+    config_path = tmp_path / "adapter_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | kwargs))
+    with pytest.raises(ValueError, match=rf"NeuroAdaConfig\.{message}"):
+        PeftConfig.from_pretrained(tmp_path)
+
+
+def test_every_value_a_field_accepts_works(tmp_path, token_batch):
+    """The edges of each accepted range build an adapter: the seed bounds seed every layer's generator, any real
+    fraction is kept as a float (so it saves as a JSON number), and sets, single names and single layer indices are
+    taken where lists are."""
+    for seed in (-(2**63), 0, 2**64 - 1):
+        config = NeuroAdaConfig(k=2, selection="random", selection_seed=seed, neuron_fraction=0.5)
+        assert torch.isfinite(get_peft_model(tiny_llama(), config)(token_batch).logits).all()
+    config = NeuroAdaConfig(
+        k=10**9,
+        neuron_fraction=np.float32(1.0),
+        target_modules={"q_proj", "v_proj"},
+        exclude_modules="nothing",
+        layers_to_transform=0,
+        layers_pattern=["layers"],
+        modules_to_save=["lm_head"],
+    )
+    assert type(config.neuron_fraction) is float and config.neuron_fraction == 1.0
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["neuron_fraction"] == 1.0
+    with pytest.warns(UserWarning, match="exceeds the 32 inputs"):
+        model = get_peft_model(tiny_llama(), config)
+    assert {name.removeprefix("base_model.model.model.") for name in named_neuroada_layers(model)} == {
+        "layers.0.self_attn.q_proj",
+        "layers.0.self_attn.v_proj",
+    }
 
 
 @pytest.mark.parametrize(

@@ -43,3 +43,49 @@ def test_saved_columns_that_cannot_hold_the_layers_columns_are_refused():
         saved_columns(torch.zeros(7, dtype=torch.int32), (5, 3))
     with pytest.raises(ValueError, match=r"shape \(5, 2\), not \(5, 3\)"):
         saved_columns(torch.zeros(5, 2, dtype=torch.int16), (5, 3))
+
+
+@pytest.mark.parametrize("d_in", [32767, 32768, 32769], ids=lambda d: f"{d}-inputs")
+def test_layers_at_the_int16_boundary_run_merge_and_reload(d_in, tmp_path):
+    """Columns up to d_in - 1 are valid at every width, the packed int16 ones included (32,767 at 32,768 inputs): no
+    comparison of a narrow index with a size may wrap."""
+    import peft_neuroada  # noqa: F401  (registers NEUROADA)
+    from peft import PeftModel, get_peft_model
+
+    from peft_neuroada import NeuroAdaConfig
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(d_in, 3))
+    with torch.no_grad():
+        base[0].weight[:, d_in - 1] = 10.0  # every neuron's largest input is the last column
+    model = get_peft_model(base, NeuroAdaConfig(target_modules=["0"], init_weights=False))
+    layer = model.base_model.model[0]
+    assert int(layer.placement("default").cols.max()) == d_in - 1
+    x = torch.randn(2, d_in, requires_grad=True)
+    expected = layer.base_layer(x) + x @ layer.get_delta_weight("default").T
+    out = model(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert layer.neuroada_delta["default"].grad is not None
+    model.save_pretrained(tmp_path)
+    model.merge_adapter()
+    torch.testing.assert_close(model(x), expected)
+    model.unmerge_adapter()
+    reloaded = PeftModel.from_pretrained(torch.nn.Sequential(layer.base_layer), tmp_path)
+    torch.testing.assert_close(reloaded(x), expected)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_products_accept_the_last_int16_column_and_refuse_the_one_past_it(backend):
+    from peft_neuroada import kernels
+
+    if backend not in kernels.available_backends("cpu"):
+        pytest.skip(f"the {backend} kernels are not available here")
+    d_in = 32768
+    x, delta = torch.randn(2, d_in), torch.ones(3, 1)
+    last = torch.full((3, 1), d_in - 1, dtype=torch.int16)
+    out = kernels.bypass_forward(x, last, None, delta, 3, backend=backend)
+    torch.testing.assert_close(out, x[:, -1:].expand(2, 3))
+    past = torch.full((3, 1), d_in - 1, dtype=torch.int32) + 1
+    with pytest.raises(IndexError, match="outside"):
+        kernels.bypass_forward(x, past, None, delta, 3, backend=backend)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import site
 import subprocess
 import sys
@@ -21,11 +22,12 @@ from peft import (
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from peft_neuroada import NeuroAdaConfig, select_by_gradient
+from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, select_by_gradient
 from peft_neuroada.index_storage import from_buffer
 from tests.conftest import TINY_AND_REAL, hidden, indices_by_layer, logits, named_neuroada_layers, tiny_llama
 
@@ -118,14 +120,91 @@ def test_loading_onto_a_differently_shaped_base_names_the_layer(tmp_path):
         PeftModel.from_pretrained(other, tmp_path)
 
 
-def test_a_config_whose_k_disagrees_with_its_saved_deltas_is_refused_as_such(tmp_path):
-    """The base model is the right one: the message blames the config and the file, not the base."""
+def edit_config(adapter_dir: Path, **fields) -> None:
+    config_path = adapter_dir / "adapter_config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | fields))
+
+
+FIRST_LAYER = r"base_model\.model\.model\.layers\.0\.self_attn\.q_proj"
+
+
+def disagreement(adapter_dir: Path, layer: str, setting: str) -> str:
+    """The message refusing a config that disagrees with its weights at `layer`: it names both files."""
+    weights, config = (
+        re.escape(str(adapter_dir / name)) for name in ("adapter_model.safetensors", "adapter_config.json")
+    )
+    return rf"disagree at layer '{layer}': '{weights}' holds neuroada_delta of shape .* but '{config}' says {setting},"
+
+
+def no_delta_is_created():
+    return mock.patch.object(NeuroAdaLayer, "update_layer", side_effect=AssertionError("a delta was created"))
+
+
+@pytest.mark.parametrize(
+    ("trained", "edit", "setting"),
+    [
+        ({"k": 2}, {"k": 3}, "k=3"),
+        ({"k": 2}, {"k": 10**9}, "k=1000000000"),
+        ({"k": 2}, {"neuron_fraction": 0.5}, "neuron_fraction=0.5"),
+        ({"k": 2, "neuron_fraction": 0.5}, {"neuron_fraction": 1.0}, "neuron_fraction=1.0"),
+        ({"k": 2, "neuron_fraction": 0.5}, {"neuron_fraction": 0.75}, "neuron_fraction=0.75"),
+        ({"k": 2, "neuron_fraction": 0.5}, {"k": 10**9, "neuron_fraction": 1.0}, "neuron_fraction=1.0 and k=10+"),
+    ],
+)
+def test_a_config_that_disagrees_with_its_saved_deltas_is_refused_before_any_delta_is_created(
+    tmp_path, trained, edit, setting
+):
+    """The base model is the right one: the message blames the config field and names the layer and both files,
+    and the base model is left as it was (a k of 10**9 used to build dense-sized deltas before failing)."""
+    get_peft_model(tiny_llama(), NeuroAdaConfig(**trained)).save_pretrained(tmp_path)
+    edit_config(tmp_path, **edit)
+    base = tiny_llama()
+    before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    with no_delta_is_created(), pytest.raises(ValueError, match=disagreement(tmp_path, FIRST_LAYER, setting)):
+        PeftModel.from_pretrained(base, tmp_path)
+    assert not any(isinstance(module, BaseTunerLayer) for module in base.modules())
+    after = base.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_load_adapter_refuses_a_disagreeing_config_before_the_model_changes(tmp_path, token_batch):
+    """`PeftModel.load_adapter` builds its config through NeuroAdaConfig as well (here from a subfolder)."""
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path / "second")
+    edit_config(tmp_path / "second", k=10**9)
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1, init_weights=False)).eval()
+    before = logits(model, token_batch)
+    with (
+        no_delta_is_created(),
+        pytest.raises(ValueError, match=disagreement(tmp_path / "second", FIRST_LAYER, "k=10+")),
+    ):
+        model.load_adapter(tmp_path, "second", subfolder="second")
+    assert list(model.peft_config) == ["default"]
+    assert all(list(layer.neuroada_delta) == ["default"] for layer in named_neuroada_layers(model).values())
+    assert torch.equal(logits(model, token_batch), before)
+
+
+def test_a_smollm2_adapter_whose_config_says_k_1e9_is_refused_before_any_delta_is_created(
+    trained_smollm2_adapter, smollm2_path
+):
+    """The issue's case: the k=1 deltas of every layer against k=10**9, clipped to each layer's inputs."""
+    _, adapter_dir = trained_smollm2_adapter
+    edit_config(adapter_dir, k=10**9)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path)
+    with (
+        no_delta_is_created(),
+        pytest.raises(ValueError, match=disagreement(adapter_dir, FIRST_LAYER, "k=1000000000")),
+    ):
+        PeftModel.from_pretrained(base, adapter_dir)
+    assert not any(isinstance(module, BaseTunerLayer) for module in base.modules())
+
+
+def test_a_config_given_by_hand_is_checked_by_each_layer_as_its_tensors_load(tmp_path):
+    """A config passed to from_pretrained is not read with the weights file, so no shapes are known before
+    injection: each layer's load check still refuses it, blaming the config and the file rather than the base."""
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=2)).save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config | {"k": 3}))
     message = r"tensors do not match its config at layer '.*q_proj': its neuroada_delta holds 2 per neuron, but the"
     with pytest.raises(ValueError, match=message):
-        PeftModel.from_pretrained(tiny_llama(), tmp_path)
+        PeftModel.from_pretrained(tiny_llama(), tmp_path, config=NeuroAdaConfig(k=3))
 
 
 def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch):

@@ -20,7 +20,8 @@ def _check_bounds(cols: torch.Tensor, rows: torch.Tensor | None, d_in: int, d_ou
     if cols.device.type != "cpu" or torch.compiler.is_compiling():
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
-        if index is not None and index.numel() and (index.min() < 0 or index.max() >= limit):
+        # Python ints: an int16 index compared with a tensor op against 32768 would wrap to -32768.
+        if index is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= limit):
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 
 
