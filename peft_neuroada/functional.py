@@ -22,6 +22,7 @@ computed by `kernels.sampled_grad` without forming it.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -169,6 +170,42 @@ def weight_lock(base: nn.Module, device: torch.device) -> WeightLock:
             lock = _WEIGHT_LOCKS.setdefault(base, WeightLock())
     lock.device = device
     return lock
+
+
+# Weight locks the forking thread holds from just before a fork until just after it (see `_hold_weights_for_fork`).
+_HELD_FOR_FORK: list[WeightLock] = []
+
+
+def _hold_weights_for_fork() -> None:
+    """Before `os.fork`: wait for the visits in flight and hold every weight lock (and the guard, so no new one is
+    made) through the fork. A child has only the forking thread: a lock another thread held, or a weight it had
+    patched, would stay so in the child forever (servers that fork workers, DataLoader workers started while other
+    threads serve). Visits hold one weight lock at a time, so taking them one by one cannot deadlock."""
+    while True:
+        _WEIGHT_LOCKS_GUARD.acquire()
+        held = {id(lock) for lock in _HELD_FOR_FORK}
+        pending = [lock for lock in list(_WEIGHT_LOCKS.values()) if id(lock) not in held]
+        if not pending:
+            return
+        _WEIGHT_LOCKS_GUARD.release()
+        for lock in pending:
+            lock._lock.acquire()
+            _HELD_FOR_FORK.append(lock)
+
+
+def _release_weights_after_fork() -> None:
+    """After `os.fork`, in parent and child alike (the child's one thread is the one that took them)."""
+    for lock in _HELD_FOR_FORK:
+        lock._lock.release()
+    _HELD_FOR_FORK.clear()
+    _WEIGHT_LOCKS_GUARD.release()
+
+
+os.register_at_fork(
+    before=_hold_weights_for_fork,
+    after_in_parent=_release_weights_after_fork,
+    after_in_child=_release_weights_after_fork,
+)
 
 
 # --- Reading and writing the selected entries of a weight ---------------------------------------------------------

@@ -69,6 +69,16 @@ _mixed_batches_in_progress = [0]
 _mixed_batches_lock = threading.Lock()
 
 
+def _new_mixed_batches_lock() -> None:
+    """In a forked child: a thread that held the lock at the fork does not exist there (its count stays, which only
+    makes layers look at the context variable)."""
+    global _mixed_batches_lock
+    _mixed_batches_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_mixed_batches_lock)
+
+
 @contextmanager
 def serving(mixed: MixedBatch) -> Iterator[None]:
     """Make `mixed` the batch this thread's NeuroAda layers serve, for the duration of the block."""

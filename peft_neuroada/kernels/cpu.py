@@ -94,9 +94,26 @@ _STATUS = {
     5: "the entries are patched already (a nested visit of the same weight)",
 }
 
+# The most bytes read of a record beside the library: a valid one is shorter, anything longer is garbage.
+RECORD_MAX_BYTES = 256
+
 _lock = threading.Lock()
 _UNLOADED = object()
 _library: ctypes.CDLL | None | object = _UNLOADED
+
+
+def _new_lock_in_child() -> None:
+    """A forked child has only the forking thread: a build another thread ran at the fork (holding `_lock`) never
+    finishes there, so the child gets a free lock and, if nothing was loaded, loads or builds itself."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+class _Untrusted(Exception):
+    """A library that loaded but computes something other than the torch ops."""
 
 
 def cache_dir() -> Path:
@@ -104,11 +121,18 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def compiler() -> str | None:
-    """`$CC` if set (and found), else the first of cc, gcc, clang on PATH."""
-    if os.environ.get("CC"):
-        return shutil.which(os.environ["CC"])
-    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+def compiler() -> list[str] | None:
+    """The command that compiles: `$CC` split as a shell splits it (a compiler and its leading arguments, as in
+    `CC="ccache gcc"`), its first word found on PATH; unset or empty, the first of cc, gcc, clang on PATH. None where
+    there is none (CC naming no program, or with unbalanced quotes)."""
+    try:
+        words = shlex.split(os.environ.get("CC", ""))
+    except ValueError:
+        return None
+    if not words:
+        return next(([path] for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+    path = shutil.which(words[0])
+    return None if path is None else [path, *words[1:]]
 
 
 def _cpu_identity() -> str:
