@@ -239,6 +239,11 @@ def _row_wise(weight: torch.Tensor, placements: Sequence[Placement]) -> bool:
 
 
 def _locate(weight: torch.Tensor, placement: Placement, row_wise: bool) -> _Entries:
+    """The entries of `weight` at `placement`, read and written through `weight.data`: the frozen weight's version
+    counter never moves, so another autograd graph that saved the weight (a regulariser, a tied use) still runs its
+    backward. What any graph reads of it is unchanged: every patch is restored before the visit ends, and a merge is
+    the model's new weight, as LoRA's merge (which writes `weight.data`) makes it."""
+    weight = weight.data
     cols = placement.cols.long()
     if row_wise:
         return _Entries(weight, cols, row_wise=True)
