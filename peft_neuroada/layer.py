@@ -249,11 +249,12 @@ class NeuroAdaLayer(BaseTunerLayer):
         load_adapter), and one written in place (`load_state_dict` copying into it, as accelerate, DeepSpeed and FSDP
         resumes do; a `copy_`), which its version counter shows. Writes through `.data` bypass version counters, and
         so this check, as they bypass autograd's own."""
-        buffer = _versioned(self.neuroada_indices, adapter_name)
-        rows = _versioned(self.neuroada_rows, adapter_name) if adapter_name in self.neuroada_rows else None
         shape = self.neuroada_delta[adapter_name].shape
         if torch.compiler.is_compiling():  # dynamo would guard on the cache's contents
-            return Placement(from_buffer(buffer, shape), rows)
+            rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
+            return Placement(from_buffer(self.neuroada_indices[adapter_name], shape), rows)
+        buffer = _versioned(self.neuroada_indices, adapter_name)
+        rows = _versioned(self.neuroada_rows, adapter_name) if adapter_name in self.neuroada_rows else None
         state = (_tensor_state(buffer), _tensor_state(rows), shape)
         kept = _PLACEMENTS.get(self)
         if kept is None:
@@ -533,7 +534,7 @@ def _versioned(container: BufferDict, name: str) -> torch.Tensor:
     """`container[name]`, made an ordinary tensor if it is an inference tensor (created or loaded under
     `torch.inference_mode()`): those have no version counter, so a write into them could not be seen."""
     tensor = container[name]
-    if tensor.is_inference() and not torch.compiler.is_compiling():
+    if tensor.is_inference():
         with torch.inference_mode(False):
             tensor = container[name] = tensor.clone()
     return tensor

@@ -63,7 +63,7 @@ def test_children_forked_during_other_threads_forwards_run_exactly(adapters):
             if pid == 0:  # the child: exit status 0 only if its weights and its forward are exact
                 code = 1
                 try:
-                    torch.set_num_threads(1)  # as DataLoader workers do: torch's own thread pool does not survive a fork
+                    torch.set_num_threads(1)  # as DataLoader workers do: torch's thread pool does not survive a fork
                     restored = all(
                         torch.equal(layer.get_base_layer().weight, weight)
                         for layer, weight in zip(neuroada_layers(model), weights, strict=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import PeftModel, get_peft_model
 
+from peft_neuroada import NeuroAdaConfig, kernels
 from peft_neuroada.index_storage import from_buffer, index_dtype, saved_columns, to_buffer
 
 
@@ -49,11 +51,6 @@ def test_saved_columns_that_cannot_hold_the_layers_columns_are_refused():
 def test_layers_at_the_int16_boundary_run_merge_and_reload(d_in, tmp_path):
     """Columns up to d_in - 1 are valid at every width, the packed int16 ones included (32,767 at 32,768 inputs): no
     comparison of a narrow index with a size may wrap."""
-    import peft_neuroada  # noqa: F401  (registers NEUROADA)
-    from peft import PeftModel, get_peft_model
-
-    from peft_neuroada import NeuroAdaConfig
-
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(d_in, 3))
     with torch.no_grad():
@@ -77,8 +74,6 @@ def test_layers_at_the_int16_boundary_run_merge_and_reload(d_in, tmp_path):
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_products_accept_the_last_int16_column_and_refuse_the_one_past_it(backend):
-    from peft_neuroada import kernels
-
     if backend not in kernels.available_backends("cpu"):
         pytest.skip(f"the {backend} kernels are not available here")
     d_in = 32768

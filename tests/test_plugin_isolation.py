@@ -134,6 +134,16 @@ needs_hook = pytest.mark.skipif(not start_up_hook_installed(), reason="peft-neur
 
 
 @needs_hook
+def test_the_installed_start_up_hook_is_this_checkouts():
+    """An install copies `peft_neuroada_autoload.py` into site-packages (an editable one too): a copy left by an older
+    install would keep its behaviour for every process until the package is installed again."""
+    checkout = PACKAGE.parent / "peft_neuroada_autoload.py"
+    installed = [Path(d) / checkout.name for d in site.getsitepackages() if (Path(d) / "peft_neuroada.pth").exists()]
+    stale = [str(path) for path in installed if not path.exists() or path.read_bytes() != checkout.read_bytes()]
+    assert not stale, f"{stale} differ from {checkout}: install the package again (pip install -e .)"
+
+
+@needs_hook
 def test_the_start_up_hook_imports_nothing_in_an_interpreter_that_never_imports_peft(tmp_path):
     modules = "('torch', 'peft', 'peft_neuroada')"
     done = python(f"import sys; print(sorted(m for m in {modules} if m in sys.modules))", tmp_path)
