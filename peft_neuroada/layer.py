@@ -249,12 +249,15 @@ class NeuroAdaLayer(BaseTunerLayer):
         load_adapter), and one written in place (`load_state_dict` copying into it, as accelerate, DeepSpeed and FSDP
         resumes do; a `copy_`), which its version counter shows. Writes through `.data` bypass version counters, and
         so this check, as they bypass autograd's own."""
-        shape = self.neuroada_delta[adapter_name].shape
+        # Read from the containers' own dicts: ParameterDict's and BufferDict's lookups cost 1-1.5 us each, and this
+        # runs at every visit of every layer.
+        shape = self.neuroada_delta._parameters[adapter_name].shape
+        buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
         if torch.compiler.is_compiling():  # dynamo would guard on the cache's contents
-            rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-            return Placement(from_buffer(self.neuroada_indices[adapter_name], shape), rows)
-        buffer = _versioned(self.neuroada_indices, adapter_name)
-        rows = _versioned(self.neuroada_rows, adapter_name) if adapter_name in self.neuroada_rows else None
+            return Placement(from_buffer(buffer, shape), rows)
+        if buffer.is_inference() or (rows is not None and rows.is_inference()):
+            buffer = _versioned(self.neuroada_indices, adapter_name)
+            rows = _versioned(self.neuroada_rows, adapter_name)
         state = (_tensor_state(buffer), _tensor_state(rows), shape)
         kept = _PLACEMENTS.get(self)
         if kept is None:
@@ -530,11 +533,11 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise
 
 
-def _versioned(container: BufferDict, name: str) -> torch.Tensor:
-    """`container[name]`, made an ordinary tensor if it is an inference tensor (created or loaded under
-    `torch.inference_mode()`): those have no version counter, so a write into them could not be seen."""
-    tensor = container[name]
-    if tensor.is_inference():
+def _versioned(container: BufferDict, name: str) -> torch.Tensor | None:
+    """`container[name]` (None if absent), made an ordinary tensor if it is an inference tensor (created or loaded
+    under `torch.inference_mode()`): those have no version counter, so a write into them could not be seen."""
+    tensor = container._buffers.get(name)
+    if tensor is not None and tensor.is_inference():
         with torch.inference_mode(False):
             tensor = container[name] = tensor.clone()
     return tensor
