@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
 import math
 import re
@@ -11,7 +10,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import (
@@ -246,19 +245,7 @@ class NeuroAdaModel(BaseTuner):
             return
         super()._replace_module(parent, child_name, new_module, child)
 
-    def add_weighted_adapter(
-        self,
-        adapters: list[str],
-        weights: list[float],
-        adapter_name: str,
-        combination_type: Literal["linear"] = "linear",
-        svd_rank: int | None = None,
-        svd_clamp: int | None = None,
-        svd_full_matrices: bool = True,
-        svd_driver: str | None = None,
-        density: float | None = None,
-        majority_sign_method: Literal["total", "frequency"] = "total",
-    ) -> None:
+    def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
         """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
         the change that merging each source scaled by its weight would make to the base weights.
 
@@ -267,16 +254,10 @@ class NeuroAdaModel(BaseTuner):
         base weights alone). Every check runs before the model changes, and a combination that cannot be exact is
         refused with a ValueError (naming the layer where the indices differ). Modules in `modules_to_save` are copied
         from the one source that saves them, unweighted; two sources saving the same module are refused, as in LoRA.
-        LoRA's options of its other combination types are taken (so LoRA's calls run) and refused unless left at
-        their defaults.
+        LoRA's other combination types (svd, cat, ties, dare, magnitude_prune) work on low-rank factors, which NeuroAda
+        deltas do not have: there is no `combination_type`.
         """
-        lora_options = {
-            "svd_rank": svd_rank, "svd_clamp": svd_clamp, "svd_full_matrices": svd_full_matrices,
-            "svd_driver": svd_driver, "density": density, "majority_sign_method": majority_sign_method,
-        }  # fmt: skip
-        config, layers = self._checked_weighted_adapter(
-            adapters, weights, adapter_name, combination_type, lora_options
-        )
+        config, layers = self._checked_weighted_adapter(adapters, weights, adapter_name)
         heads = [
             (wrapper, next(name for name in adapters if name in wrapper.modules_to_save))
             for wrapper in self.model.modules()
@@ -297,28 +278,10 @@ class NeuroAdaModel(BaseTuner):
             raise
 
     def _checked_weighted_adapter(
-        self,
-        adapters: list[str],
-        weights: list[float],
-        adapter_name: str,
-        combination_type: str,
-        lora_options: dict[str, object],
+        self, adapters: list[str], weights: list[float], adapter_name: str
     ) -> tuple[NeuroAdaConfig, list[NeuroAdaLayer]]:
         """The config of `add_weighted_adapter`'s new adapter and the layers it gets, after checking that the
         combination is exact."""
-        if combination_type != "linear":
-            raise ValueError(
-                f"NeuroAda adapters combine with combination_type='linear' only (got {combination_type!r}): deltas "
-                "that share their indices add exactly into a NeuroAda adapter, while the other types (svd, cat, ties, "
-                "dare_*, magnitude_prune*) work on LoRA's low-rank factors, which NeuroAda deltas do not have."
-            )
-        defaults = inspect.signature(self.add_weighted_adapter).parameters
-        if changed := {name: value for name, value in lora_options.items() if value != defaults[name].default}:
-            raise ValueError(
-                f"{', '.join(f'{name}={value!r}' for name, value in changed.items())}: options of LoRA's svd, ties, "
-                "dare and magnitude_prune combinations, which NeuroAda adapters do not have; a linear combination "
-                "takes none of them."
-            )
         if adapter_name in self.peft_config:
             raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
         if not adapters:

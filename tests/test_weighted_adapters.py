@@ -81,13 +81,16 @@ def test_weight_one_for_both_equals_the_two_adapters_active_together():
     torch.testing.assert_close(logits(model, TOKENS), together)
 
 
-def test_a_call_written_for_lora_runs_with_its_other_options_at_their_defaults():
+@pytest.mark.parametrize(
+    "lora_option", [{"combination_type": "svd"}, {"combination_type": "linear"}, {"density": 0.5}], ids=str
+)
+def test_loras_combination_options_do_not_exist_here(lora_option):
+    """NeuroAda adapters combine linearly only: LoRA's svd, cat, ties and dare options work on low-rank factors."""
     model = two_adapters()
-    model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "sum")
-    lora_defaults = {"svd_rank": None, "svd_clamp": None, "svd_full_matrices": True, "svd_driver": None}
-    model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "sum_as_lora", "linear", **lora_defaults, density=None)
-    for layer in neuroada_layers(model):
-        assert torch.equal(layer.neuroada_delta["sum_as_lora"], layer.neuroada_delta["sum"])
+    before = adapter_state(model)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "mix", **lora_option)
+    assert adapter_state(model) == before
 
 
 def test_negative_weights_negate_and_cancel():
@@ -190,20 +193,8 @@ def nan_weight() -> tuple:
     return two_adapters(), ["one", "two"], [float("nan"), 1.0], "mix", {}
 
 
-def cat_combination() -> tuple:
-    return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"combination_type": "cat"}
-
-
 def existing_name() -> tuple:
     return two_adapters(), ["one", "two"], [1.0, 1.0], "two", {}
-
-
-def svd_combination() -> tuple:
-    return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"combination_type": "svd"}
-
-
-def ties_options() -> tuple:
-    return two_adapters(), ["one", "two"], [1.0, 1.0], "mix", {"density": 0.5, "majority_sign_method": "frequency"}
 
 
 def source_trains_biases() -> tuple:
@@ -228,9 +219,6 @@ REFUSALS = {
     "no-adapters": (no_adapters, r"needs at least one adapter to combine \(got none\)"),
     "nan-weight": (nan_weight, r"needs finite weights \(got \[nan, 1\.0\]\)"),
     "existing-name": (existing_name, "Adapter with name 'two' already exists"),
-    "svd": (svd_combination, "combination_type='linear' only"),
-    "cat": (cat_combination, r"combination_type='linear' only \(got 'cat'\).*cat, ties"),
-    "ties-options": (ties_options, r"density=0\.5, majority_sign_method='frequency': options of LoRA's svd, ties"),
     "source-trains-biases": (source_trains_biases, "Cannot weight adapter 'one': it trains biases"),
     "same-module-saved-twice": (
         both_save_the_same_module,
