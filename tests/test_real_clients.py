@@ -160,9 +160,16 @@ def tiny_with_adapter(tmp_path_factory, smollm2_tokenizer):
     merged = model.merge_and_unload()
     merged.save_pretrained(root / "merged")
     smollm2_tokenizer.save_pretrained(root / "merged")
-    tokens = smollm2_tokenizer(["The capital of France is Paris."], return_tensors="pt")["input_ids"]
-    assert not torch.equal(logits(merged, tokens), logits(AutoModelForCausalLM.from_pretrained(base), tokens))
+    # The deltas move the log-probabilities lm-evaluation-harness scores far more than SCORE_TOLERANCE, so scores of
+    # the adapter that match the merged model's cannot be the base model's.
+    tokens = smollm2_tokenizer([f"Question: {QUESTIONS[0][0]}\nAnswer: blue"], return_tensors="pt")["input_ids"]
+    merged_scores = logits(merged, tokens).log_softmax(-1)
+    base_scores = logits(AutoModelForCausalLM.from_pretrained(base), tokens).log_softmax(-1)
+    assert (merged_scores - base_scores).abs().max() > 100 * SCORE_TOLERANCE["atol"]
     return root
+
+
+SCORE_TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}  # the two runs' log-likelihoods (bit-equal on the CPU today)
 
 
 QUESTIONS = [
@@ -258,7 +265,7 @@ def test_lm_evaluation_harness_scores_an_adapter_as_its_merged_model(tmp_path, t
         name: torch.tensor([[float(score) for score, _ in sample["filtered_resps"]] for sample in samples])
         for name, samples in (("adapter", adapter_samples), ("merged", merged_samples))
     }
-    torch.testing.assert_close(scores["adapter"], scores["merged"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(scores["adapter"], scores["merged"], **SCORE_TOLERANCE)
 
 
 TRL_CONTINUES_AN_ADAPTER = """
