@@ -230,7 +230,7 @@ metadata:
 
 
 def lm_eval(model_args: str, tasks: Path, out: Path, cwd: Path) -> tuple[dict, list[dict]]:
-    """The README's command line of lm-evaluation-harness; returns the task's results and its logged samples."""
+    """docs/guide.md's command line of lm-evaluation-harness; returns the task's results and its logged samples."""
     run_client(
         [
             "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", "neuroada_questions",

@@ -98,7 +98,7 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
 
 def test_continuing_a_trained_adapter_with_dpo_its_reference_is_that_adapter_once_copied_as_documented(tmp_path):
     # Given a PeftModel and no peft_config, TRL adds a "ref" adapter and copies parameters named ".default.", a LoRA
-    # naming NeuroAda's deltas do not follow: "ref" would stay zero (the base model). The README's two lines copy it.
+    # naming NeuroAda's deltas do not follow: "ref" would stay zero (the base model). docs/guide.md's lines copy it.
     trained, tokenizer = load_default_model()
     get_peft_model(trained, NeuroAdaConfig(k=1, init_weights=False)).save_pretrained(tmp_path / "sft")
     model = PeftModel.from_pretrained(load_default_model()[0], tmp_path / "sft", is_trainable=True)

@@ -12,14 +12,14 @@ For a layer with weight (d_out, d_in) and n tuned neurons, each with k trainable
 And for the in-place path of `functional.py`, on CPU weights with the C kernels built (`patches_entries`):
 `entry_patch` adds the deltas into the selected entries of the weight, keeping the overwritten ones, and writes those
 back: one pass each over the (cold) weight's entries, split across threads, where torch's gather and scatter_ take
-two single-threaded passes (a k=20 SmolLM2 step: 1.16x -> 1.08x of the frozen model's, docs/performance.md).
+two single-threaded passes (a k=20 SmolLM2 step: 1.16x -> 1.08x of the frozen model's, docs/performance-history.md).
 
 The two bypass products take `out=`: the product is then added into that tensor in place (the base layer's output
 or input gradient), which saves the separate addition. A neuron's k columns must be distinct (as placements are):
 the torch fallback's sparse kernels assume it.
 
 Backends (`BACKENDS`): "cpu" (the compiled C kernels, `cpu.py`), "triton" (CUDA), "torch" (plain ops, the reference
-and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/performance.md ("Compiled kernels"):
+and the fallback everywhere). `backend="auto"` picks, by rules measured in docs/design.md ("Compiled kernels"):
 
 * while `torch.compile` traces: torch (the others are opaque calls it cannot trace);
 * CPU tensors of float32/bfloat16/float16: cpu, whenever the C kernels build here (no compiler: torch, logged once).

@@ -61,19 +61,19 @@ FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread")
 # competing with torch's spinning workers), and -march=native (unknown to some Apple clang versions).
 OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
 # Tokens per packed block: x^T of a block (d_in x 80 floats) stays in L2 for every SmolLM2 and 0.55B shape; 32 and
-# 128 measured within a few percent of it on all of them (docs/performance.md, "Compiled kernels").
+# 128 measured within a few percent of it on all of them (docs/design.md, "Compiled kernels").
 TOKEN_BLOCK = 64
 # The forward gathers each neuron's inputs straight from the token's row (no transposes) at k = 1: 0.5-0.8x the
 # time of the transposed layout there for float32; from k = 2 on the transposed layout wins. It converts
 # half-precision rows element by element, which made it 2.2-3.6x slower than the transposed layout in bfloat16
-# (docs/performance.md, eleventh round): float32 only.
+# (docs/performance-history.md): float32 only.
 FORWARD_LAYOUTS = {"dot": 0, "gather": 1}
 FORWARD_GATHER_MAX_K = 1
 
 # The delta gradient's layouts (neuroada_cpu.c). The gather layout depends on how fast the CPU gathers: on an
 # AVX-512 Intel Xeon it took 0.6-0.85x the dot layout's time at k = 1 on SmolLM2's and 576 x 1536 layers, with
-# 16-token blocks whose rows stay in L1 (docs/performance.md, ninth round), and from k = 2 on it is even or slower;
-# on an AMD EPYC it lost already at k = 1 (fourth round, 1.2-1.3x). So at k = 1 each machine measures the two once
+# 16-token blocks whose rows stay in L1 (docs/performance-history.md), and from k = 2 on it is even or slower;
+# on an AMD EPYC it lost already at k = 1 (1.2-1.3x). So at k = 1 each machine measures the two once
 # (`gather_measured_faster`). It converts half-precision rows element by element: float32 inputs only.
 SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
 SAMPLED_GRAD_GATHER_MAX_K = 1

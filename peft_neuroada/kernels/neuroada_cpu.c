@@ -477,7 +477,7 @@ static inline float hsum(vf v) {
 }
 
 /* o[q] += the lane sum of aq, q < 4: the four reductions share their shuffles (10-18% off the k = 20 delta gradient
- * against four separate lane sums, docs/performance.md, eighth round). */
+ * against four separate lane sums, docs/performance-history.md). */
 static inline void hsum4_into(vf a0, vf a1, vf a2, vf a3, float *restrict o) {
 #if VW >= 8
     typedef float v4 __attribute__((vector_size(16)));
@@ -799,7 +799,7 @@ int na_bypass_forward(const void *x, int64_t xs0, int64_t xs1, int xdt, const vo
  * neuron (a row of the packed g^T) and its delta, in neuron order, so that a column sums in the order a scatter over
  * neurons would. With them each row of gx^T is summed in registers and written once; scattering each neuron's row
  * into its k columns instead (a read-modify-write of gx^T per entry) took 1.3-1.7x as long at k = 20 on an AVX-512
- * Xeon (docs/performance.md, eleventh round). */
+ * Xeon (docs/performance-history.md). */
 typedef struct {
     int32_t *start, *neuron;
     float *delta;
@@ -927,7 +927,7 @@ typedef struct {
 /* The restore runs after the matmul has streamed the whole weight through the caches, so its entries miss (in DRAM
  * for a 0.55B model's 25 MB MLP weight), and stores that miss leave the store buffer one at a time, in order: it asks
  * for the entries of the row this many rows ahead while writing the current one (restore 0.6x the time at k = 4 to
- * 20 on 1536 x 4096, 0.7-0.9x on SmolLM2's shapes; docs/performance.md, tenth round). The patch before the matmul
+ * 20 on 1536 x 4096, 0.7-0.9x on SmolLM2's shapes; docs/performance-history.md). The patch before the matmul
  * needs no such help (its loads run ahead on their own), and neither do rows of one entry each (a constant stride,
  * which the hardware prefetcher follows). */
 #define RESTORE_PREFETCH_ROWS 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 # Above this k, one sparse kernel beats k passes of gathers (measured for the delta gradient on CPU; see
-# docs/performance.md, "Per op").
+# docs/design.md, "Per op").
 COLUMN_LOOP_MAX_K = 4
 
 

@@ -17,7 +17,7 @@ layout reads one scattered element per token (on an H100 that layout made the k=
   requested.
 
 Every kernel accumulates in float32. They are jitted on first use rather than at import, so `TRITON_INTERPRET` is
-read when they are first needed. Timings on an H100: docs/performance.md ("seventh round").
+read when they are first needed. Timings on an H100: docs/performance.md ("GPU: one H100").
 """
 
 from __future__ import annotations
