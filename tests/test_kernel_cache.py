@@ -38,7 +38,7 @@ int na_uses_openmp() { return 0; }
 
 
 def products_match_torch_ops() -> str:
-    """Check every product, through the dispatcher, against the torch ops (k = 1 reads the measured layout, k = 5 a
+    """Check every product, through the dispatcher, against the torch ops (k = 1 in the gather layout, k = 5 on a
     subset of neurons; int16 columns; the entry patch where the C kernels serve); returns the backend that served."""
     generator = torch.Generator().manual_seed(0)
     x, grad = torch.randn(37, 50, generator=generator), torch.randn(37, 70, generator=generator)
@@ -131,13 +131,13 @@ def wrong_cc(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory, fast_cc) -> Path:
-    """A kernel cache holding one library built with `fast_cc`, its integrity record and its measured layout."""
+    """A kernel cache holding one library built with `fast_cc` and its integrity record."""
     root = tmp_path_factory.mktemp("pristine")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CC", fast_cc)
         patch.setenv("PEFT_NEUROADA_CACHE", str(root))
         patch.setattr(cpu, "_library", cpu._UNLOADED)
-        assert cpu.sampled_grad_layout(1) in cpu.SAMPLED_GRAD_LAYOUTS
+        assert cpu.available()
     return root
 
 
@@ -203,22 +203,19 @@ def test_a_cached_library_that_matches_its_record_but_fails_to_load_or_to_comput
 
 
 GARBAGE = {
-    "not-utf8": b"\xff\xfe gather \xc0\x80",
+    "not-utf8": b"\xff\xfe 1234 \xc0\x80",
     "empty": b"",
-    "huge": b"gather " * 100_000,
+    "huge": b"1234 " * 100_000,
     "wrong-words": b"sideways 123 abc\n",
 }
 
 
 @pytest.mark.parametrize("garbage", GARBAGE)
-def test_garbled_records_beside_the_library_mean_building_and_measuring_again(cache, garbage):
+def test_a_garbled_record_beside_the_library_means_building_again(cache, garbage):
     library = library_in(cache)
-    layout = library.with_suffix(".layout")
-    for record in (library.with_suffix(".sha256"), layout):
-        record.write_bytes(GARBAGE[garbage])
+    library.with_suffix(".sha256").write_bytes(GARBAGE[garbage])
     assert products_match_torch_ops() == "cpu"
     assert is_recorded(library)
-    assert layout.read_bytes() != GARBAGE[garbage] and layout.read_bytes().split()[0] in (b"gather", b"dot")
 
 
 def test_a_compiler_that_builds_a_wrong_library_leaves_the_torch_ops_serving_after_one_warning(

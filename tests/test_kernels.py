@@ -138,19 +138,13 @@ def test_both_layouts_of_the_c_delta_gradient_match_the_dense_reference(layout, 
         assert_matches(got, case.sampled_grad(), torch.float32)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_the_k1_layout_is_measured_once_per_machine_and_recorded_beside_the_library(fresh_build, monkeypatch):
-    """Every process on a machine takes the same layout (the two round differently) without measuring again;
-    half-precision inputs and k >= 2 take the dot products, whatever the measurement."""
-    measured = []
-    monkeypatch.setattr(cpu, "_measure_gather", lambda: (measured.append(1), (True, "measured"))[1])
-    assert cpu.sampled_grad_layout(1) == "gather" and measured == [1]
-    (record,) = fresh_build.rglob("neuroada_cpu-*.layout")
-    assert record.read_text() == "gather (measured)\n"
-    assert cpu.sampled_grad_layout(1, (torch.bfloat16, torch.float32)) == "dot" and cpu.sampled_grad_layout(2) == "dot"
-    record.write_text("dot (recorded by another process)\n")
-    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)  # as a new process loads the library
-    assert cpu.sampled_grad_layout(1) == "dot" and measured == [1]
+def test_the_delta_gradient_gathers_straight_from_token_rows_only_at_k1_in_float32():
+    """A fixed rule, the same on every machine (the two layouts round differently), and the forward's rule."""
+    assert cpu.sampled_grad_layout(1) == "gather"
+    assert cpu.sampled_grad_layout(1, (torch.bfloat16, torch.float32)) == "dot"
+    assert cpu.sampled_grad_layout(2) == "dot"
+    for k, dtypes in ((1, (torch.float32,)), (1, (torch.bfloat16,)), (2, (torch.float32,))):
+        assert cpu.sampled_grad_layout(k, dtypes) == cpu.bypass_forward_layout(k, dtypes)
 
 
 def test_the_bypass_forward_gathers_straight_from_token_rows_only_at_k1_in_float32():

@@ -16,8 +16,8 @@ there), and a compiler can be broken, so a library serves a process only after t
   a few milliseconds once per process): a library that loads but computes wrong numbers is never used.
 
 A cached library that fails either check is rebuilt, at most once per process; a new build is loaded and self-tested
-in its build folder and only then moved into the cache. Records (this one and the measured layout's) may hold any
-bytes: anything but a valid record means building or measuring again. No compiler, no cache folder (no
+in its build folder and only then moved into the cache. The record may hold any bytes: anything but a valid record
+means building again. No compiler, no cache folder (no
 `$PEFT_NEUROADA_CACHE` and no home folder), a failed build or a library that fails its checks is not an error:
 `library()` returns None (one warning saying what failed and what to do) and the dispatcher uses the torch ops.
 """
@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -70,11 +69,11 @@ TOKEN_BLOCK = 64
 FORWARD_LAYOUTS = {"dot": 0, "gather": 1}
 FORWARD_GATHER_MAX_K = 1
 
-# The delta gradient's layouts (neuroada_cpu.c). The gather layout depends on how fast the CPU gathers: on an
-# AVX-512 Intel Xeon it took 0.6-0.85x the dot layout's time at k = 1 on SmolLM2's and 576 x 1536 layers, with
-# 16-token blocks whose rows stay in L1 (docs/performance-history.md), and from k = 2 on it is even or slower;
-# on an AMD EPYC it lost already at k = 1 (1.2-1.3x). So at k = 1 each machine measures the two once
-# (`gather_measured_faster`). It converts half-precision rows element by element: float32 inputs only.
+# The delta gradient's layouts (neuroada_cpu.c), by the forward's rule: the gather layout at k = 1 for float32 inputs
+# (it converts half-precision rows element by element), the dot products otherwise. How fast gathers are depends on
+# the CPU: 0.6-0.85x the dot layout's time on an AVX-512 Xeon, 1.2-1.3x on an AMD EPYC; either way under 1% of a
+# SmolLM2 training step (docs/performance-history.md, ninth round), so a fixed rule, the same on every machine (the
+# two round differently), serves instead of a measurement.
 SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
 SAMPLED_GRAD_GATHER_MAX_K = 1
 GATHER_TOKEN_BLOCK = 16
@@ -197,7 +196,7 @@ def _build(cc: list[str], target: Path) -> ctypes.CDLL:
         else:
             subprocess.run([*command, *plain], check=True, capture_output=True, timeout=300)
         fingerprint = _fingerprint(built.read_bytes())
-        lib = _trusted(ctypes.CDLL(str(built)), target)
+        lib = _trusted(ctypes.CDLL(str(built)))
         os.replace(built, target)
     _write_quietly(target.with_suffix(".sha256"), fingerprint, "the C kernels' size and hash")
     return lib
@@ -253,7 +252,7 @@ def _load(cc: list[str] | None) -> ctypes.CDLL | None:
         path = folder / _library_name(cc)
         if _matches_record(path):
             try:
-                return _trusted(ctypes.CDLL(str(path)), path)
+                return _trusted(ctypes.CDLL(str(path)))
             except Exception as error:  # a wrong library can fail in any way; it is rebuilt
                 rejected = f"the cached {path.name} failed: {error}"
         elif path.exists():
@@ -273,12 +272,10 @@ def _load(cc: list[str] | None) -> ctypes.CDLL | None:
     return lib
 
 
-def _trusted(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
-    """`lib` with its functions declared, once its self-test passed; `path`: where it is cached (its layout record
-    lies beside it)."""
+def _trusted(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with its functions declared, once its self-test passed."""
     _declare(lib)
     _self_test(lib)
-    lib.cache_path = path
     return lib
 
 
@@ -392,51 +389,8 @@ def sampled_grad(
 
 
 def sampled_grad_layout(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
-    """The delta gradient's faster layout for k columns per neuron and inputs of `dtypes` on this machine."""
-    gather = k <= SAMPLED_GRAD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes)
-    return "gather" if gather and gather_measured_faster() else "dot"
-
-
-def gather_measured_faster() -> bool:
-    """Whether the gather layout beat the dot layout at k = 1 on this machine: measured once per library (SmolLM2's
-    576 -> 576 shape, 512 tokens, the faster of five calls each) and recorded beside it, so that every process on the
-    machine takes the same layout (the two round differently) and the measurement is not repeated."""
-    lib = _required()
-    known = vars(lib).get("gather_faster")  # (a plain getattr would look the name up as a C symbol)
-    if known is None:
-        record = lib.cache_path.with_suffix(".layout")
-        known = _recorded_layout(record)
-        if known is None:
-            known, detail = _measure_gather()
-            _write_quietly(record, f"{'gather' if known else 'dot'} ({detail})\n".encode(), "the measured layout")
-        lib.gather_faster = known
-    return known
-
-
-def _recorded_layout(record: Path) -> bool | None:
-    """Whether `record` names the gather layout (True) or the dot layout (False); None for anything else."""
-    try:
-        with open(record, "rb") as file:
-            content = file.read(RECORD_MAX_BYTES + 1)
-    except OSError:
-        return None
-    words = content.split(maxsplit=1) if len(content) <= RECORD_MAX_BYTES else []
-    return {b"gather": True, b"dot": False}.get(words[0]) if words else None
-
-
-def _measure_gather() -> tuple[bool, str]:
-    generator = torch.Generator().manual_seed(0)
-    x, grad = torch.randn(512, 576, generator=generator), torch.randn(512, 576, generator=generator)
-    cols = torch.randint(0, 576, (576, 1), generator=generator)
-    seconds: dict[str, list[float]] = {layout: [] for layout in SAMPLED_GRAD_LAYOUTS}
-    for _ in range(5):
-        for layout, times in seconds.items():
-            start = time.perf_counter()
-            sampled_grad(x, grad, cols, None, layout=layout)
-            times.append(time.perf_counter() - start)
-    fastest = {layout: min(times) for layout, times in seconds.items()}
-    detail = ", ".join(f"{layout} {t * 1e6:.0f} us" for layout, t in fastest.items())
-    return fastest["gather"] < fastest["dot"], f"k=1, 512 x 576 -> 576, {torch.get_num_threads()} threads: {detail}"
+    """The delta gradient's layout for k columns per neuron and inputs of `dtypes`."""
+    return "gather" if k <= SAMPLED_GRAD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes) else "dot"
 
 
 def _write_quietly(path: Path, data: bytes, what: str) -> None:

@@ -13,7 +13,7 @@
  * register transposes (and converted from bfloat16/float16 on the way):
  *  - delta gradient: x^T and g^T of the block (feature-major, token-minor); every neuron's gradient row is read once
  *    for its k columns: k dot products of length tb over rows of x^T that stay in L2, four columns at a time. For
- *    k = 1 on CPUs with fast gathers the "gather" layout is faster (cpu.py measures which): per token, vectors of
+ *    k = 1 in float32 the "gather" layout serves (cpu.py says why): per token, vectors of
  *    neurons gather their inputs from the token's row of x and multiply them by the token's gradient row, with no
  *    transposes (small token blocks keep the rows gathered from in L1).
  *  - forward: x^T of the block; each neuron accumulates its k scaled input rows into a row of y^T, which is
