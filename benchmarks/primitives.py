@@ -336,7 +336,7 @@ def delta_grad_phases(layer: Layer, repeats: int) -> list[str]:
     phases = [statistics.median(p[name] for p in recorded) for name in cpu_kernels.SAMPLED_GRAD_PHASES]
     at_matmul_rate = matmul * layer.k / layer.weight.shape[1]
     us = [call, *phases, call - sum(phases), at_matmul_rate]
-    layout = cpu_kernels.sampled_grad_layout(layer.k)
+    layout = cpu_kernels.layout_for(layer.k)
     return [str(layer.k), layout, *(f"{t * 1e6:,.0f} ({t / matmul:.2f})" for t in us)]
 
 

@@ -138,21 +138,14 @@ def test_both_layouts_of_the_c_delta_gradient_match_the_dense_reference(layout, 
         assert_matches(got, case.sampled_grad(), torch.float32)
 
 
-def test_the_delta_gradient_gathers_straight_from_token_rows_only_at_k1_in_float32():
-    """A fixed rule, the same on every machine (the two layouts round differently), and the forward's rule."""
-    assert cpu.sampled_grad_layout(1) == "gather"
-    assert cpu.sampled_grad_layout(1, (torch.bfloat16, torch.float32)) == "dot"
-    assert cpu.sampled_grad_layout(2) == "dot"
-    for k, dtypes in ((1, (torch.float32,)), (1, (torch.bfloat16,)), (2, (torch.float32,))):
-        assert cpu.sampled_grad_layout(k, dtypes) == cpu.bypass_forward_layout(k, dtypes)
-
-
-def test_the_bypass_forward_gathers_straight_from_token_rows_only_at_k1_in_float32():
-    """Its gather layout converts half-precision rows element by element: 2-4x slower there than the transposed one."""
-    assert cpu.bypass_forward_layout(1) == "gather"
-    assert cpu.bypass_forward_layout(1, (torch.bfloat16, torch.bfloat16)) == "dot"
-    assert cpu.bypass_forward_layout(1, (torch.float32, torch.float16)) == "dot"
-    assert cpu.bypass_forward_layout(2) == "dot"
+def test_the_forward_and_the_delta_gradient_gather_straight_from_token_rows_only_at_k1_in_float32():
+    """One fixed rule, the same on every machine (the two layouts round differently): the gather layouts convert
+    half-precision rows element by element, 2-4x slower there than the transposed ones."""
+    assert cpu.layout_for(1) == "gather"
+    assert cpu.layout_for(1, (torch.bfloat16, torch.float32)) == "dot"
+    assert cpu.layout_for(1, (torch.bfloat16, torch.bfloat16)) == "dot"
+    assert cpu.layout_for(1, (torch.float32, torch.float16)) == "dot"
+    assert cpu.layout_for(2) == "dot"
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

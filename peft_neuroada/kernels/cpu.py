@@ -62,20 +62,17 @@ OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
 # Tokens per packed block: x^T of a block (d_in x 80 floats) stays in L2 for every SmolLM2 and 0.55B shape; 32 and
 # 128 measured within a few percent of it on all of them (docs/design.md, "Compiled kernels").
 TOKEN_BLOCK = 64
-# The forward gathers each neuron's inputs straight from the token's row (no transposes) at k = 1: 0.5-0.8x the
-# time of the transposed layout there for float32; from k = 2 on the transposed layout wins. It converts
-# half-precision rows element by element, which made it 2.2-3.6x slower than the transposed layout in bfloat16
-# (docs/performance-history.md): float32 only.
+# Both the forward and the delta gradient have two layouts (neuroada_cpu.c): "dot" (transposed, packed blocks) and
+# "gather" (each neuron's inputs gathered straight from the token's row, no transposes). One rule picks for both
+# (`layout_for`): gather at k = 1 for float32, dot otherwise. The forward's gather layout takes 0.5-0.8x the time
+# at k = 1 in float32; both convert half-precision rows element by element (the forward 2.2-3.6x slower in
+# bfloat16), and from k = 2 on the dot layout wins. The delta gradient's gather speed depends on the CPU (0.6-0.85x
+# on an AVX-512 Xeon, 1.2-1.3x on an AMD EPYC), either way under 1% of a SmolLM2 training step
+# (docs/performance-history.md, ninth round), so the fixed rule, the same on every machine (the two layouts round
+# differently), serves there too.
 FORWARD_LAYOUTS = {"dot": 0, "gather": 1}
-FORWARD_GATHER_MAX_K = 1
-
-# The delta gradient's layouts (neuroada_cpu.c), by the forward's rule: the gather layout at k = 1 for float32 inputs
-# (it converts half-precision rows element by element), the dot products otherwise. How fast gathers are depends on
-# the CPU: 0.6-0.85x the dot layout's time on an AVX-512 Xeon, 1.2-1.3x on an AMD EPYC; either way under 1% of a
-# SmolLM2 training step (docs/performance-history.md, ninth round), so a fixed rule, the same on every machine (the
-# two round differently), serves instead of a measurement.
 SAMPLED_GRAD_LAYOUTS = {"dot": 0, "gather": 1}
-SAMPLED_GRAD_GATHER_MAX_K = 1
+GATHER_MAX_K = 1
 GATHER_TOKEN_BLOCK = 16
 
 # What the delta gradient's calling thread does per token block, in order (`sampled_grad(..., phases=)`): in the dot
@@ -368,11 +365,11 @@ def sampled_grad(
 ) -> torch.Tensor:
     """`phases`, when given, receives the seconds the calling thread spent in each of `SAMPLED_GRAD_PHASES` (where a
     call's time goes: benchmarks/primitives.py). `layout` ("dot" or "gather", as tests and benchmarks ask for one)
-    defaults to `sampled_grad_layout` for k and the inputs' dtypes. `lib`: a library other than the process's (one
+    defaults to `layout_for(k, dtypes of the inputs)`. `lib`: a library other than the process's (one
     being self-tested), here and in the other products."""
     lib = _required() if lib is None else lib
     n, k = cols.shape
-    layout = layout or sampled_grad_layout(k, (x2d.dtype, grad2d.dtype))
+    layout = layout or layout_for(k, (x2d.dtype, grad2d.dtype))
     out = torch.empty(n, k, dtype=torch.float32)
     place, cols, rows = _placement(cols, rows)
     sizes = [x2d.shape[0], x2d.shape[1], grad2d.shape[1], n, k]
@@ -388,18 +385,18 @@ def sampled_grad(
     return out
 
 
-def sampled_grad_layout(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
-    """The delta gradient's layout for k columns per neuron and inputs of `dtypes`."""
-    return "gather" if k <= SAMPLED_GRAD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes) else "dot"
+def layout_for(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
+    """The layout of the forward and of the delta gradient for k columns per neuron and tensors of `dtypes`."""
+    return "gather" if k <= GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes) else "dot"
 
 
-def _write_quietly(path: Path, data: bytes, what: str) -> None:
-    """Write `data` to `path` whole or not at all; an unwritable record only means that the next process measures or
-    builds again."""
+def _write_quietly(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all; an unwritable record only means that the next process builds
+    again."""
     try:
         write_atomically(path, lambda temporary: Path(temporary).write_bytes(data))
     except OSError:
-        logger.debug("peft-neuroada: could not record %s in %s", what, path)
+        logger.debug("peft-neuroada: could not record the C kernels' size and hash in %s", path)
 
 
 def bypass_forward(
@@ -418,7 +415,7 @@ def bypass_forward(
     out = torch.empty(x2d.shape[0], d_out, dtype=x2d.dtype) if out is None else out
     place, cols, rows = _placement(cols, rows)
     delta = delta.detach().contiguous()
-    layout = FORWARD_LAYOUTS[bypass_forward_layout(k, (x2d.dtype, out.dtype))]
+    layout = FORWARD_LAYOUTS[layout_for(k, (x2d.dtype, out.dtype))]
     sizes = [x2d.shape[0], x2d.shape[1], d_out, n, k]
     status = lib.na_bypass_forward(
         *_matrix(x2d), *place, delta.data_ptr(), DTYPE_CODES[delta.dtype], *sizes,
@@ -427,11 +424,6 @@ def bypass_forward(
     )  # fmt: skip
     _check(status)
     return out
-
-
-def bypass_forward_layout(k: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> str:
-    """The bypass forward's faster layout for k columns per neuron and input/output `dtypes`."""
-    return "gather" if k <= FORWARD_GATHER_MAX_K and all(dtype == torch.float32 for dtype in dtypes) else "dot"
 
 
 def bypass_input_grad(
