@@ -266,31 +266,37 @@ class NeuroAdaLayer(BaseTunerLayer):
         if made is None or made[2] != state:
             # (the tensors themselves are kept in the entry, so an id in `state` is never reused while it is kept)
             with torch.inference_mode(False):  # views made in inference mode would have no version counter
-                placement = self._checked_placement(adapter_name, buffer, rows)
+                placement = self._checked_placement(adapter_name, shape, buffer, rows)
             made = kept[adapter_name] = (buffer, rows, state, placement)
         return made[3]
 
-    def _checked_placement(self, adapter_name: str, buffer: torch.Tensor, rows: torch.Tensor | None) -> Placement:
-        shape = self.neuroada_delta[adapter_name].shape
-        problem = buffer_problem(buffer, shape, self.in_features)
-        attribute = "neuroada_indices"
-        if problem is None:
-            cols = from_buffer(buffer, shape)
-            problem = index_problem(cols, self.in_features)
-        if problem is None and rows is not None:
-            attribute = "neuroada_rows"
-            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
-            problem = problem or index_problem(rows, self.out_features, attribute)
-        if problem is not None:
+    def _checked_placement(
+        self, adapter_name: str, shape: torch.Size, buffer: torch.Tensor, rows: torch.Tensor | None
+    ) -> Placement:
+        if problem := self.placement_problem(shape, buffer, rows):
             raise ValueError(
-                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its {attribute} "
-                f"{problem}. They were loaded or changed after the adapter was made (load_state_dict or a checkpoint "
-                "resume copying other tensors in, a write into the buffer, a conversion of every tensor such as "
-                "`model.type(...)`), or the adapter was trained on another base model. Nothing was computed or "
-                "written: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter) on "
-                "the base model it was trained on."
+                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': {problem}. They were "
+                "loaded or changed after the adapter was made (load_state_dict or a checkpoint resume copying other "
+                "tensors in, a write into the buffer, a conversion of every tensor such as `model.type(...)`), or the "
+                "adapter was trained on another base model. Nothing was computed or written: load the adapter again "
+                "from its saved files (PeftModel.from_pretrained / load_adapter) on the base model it was trained on."
             )
-        return Placement(cols, rows)
+        return Placement(from_buffer(buffer, shape), rows)
+
+    def placement_problem(
+        self, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> str | None:
+        """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of
+        `shape` in this layer ("its neuroada_indices ..."), or None."""
+        if buffer is not None:
+            problem = buffer_problem(buffer, shape, self.in_features)
+            if problem := problem or index_problem(from_buffer(buffer, shape), self.in_features):
+                return f"its neuroada_indices {problem}"
+        if rows is not None:
+            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
+            if problem := problem or index_problem(rows, self.out_features, "neuroada_rows"):
+                return f"its neuroada_rows {problem}"
+        return None
 
     def _check_unmerged(self, adapter_name: str) -> None:
         if adapter_name in self.merged_adapters:

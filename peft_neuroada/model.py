@@ -31,7 +31,6 @@ from .config import (
     NeuroAdaConfig,
     default_targets,
 )
-from .index_storage import buffer_problem, from_buffer, index_problem
 from .layer import (
     BASE_ADAPTER_NAME,
     LOAD_WEIGHTS_HINT,
@@ -496,9 +495,7 @@ def _entries_of_wrapped_layers(
     """
     entries = {}
     for name, module in model.named_modules():
-        key_prefix = name
-        for wrapper in _WRAPPER_NAMES:
-            key_prefix = key_prefix.replace(wrapper, "")
+        key_prefix = _without_wrapper_names(name)
         if key_prefix == name or not isinstance(module, NeuroAdaLayer):
             continue
         for attribute in SAVED_TENSORS:
@@ -523,17 +520,7 @@ def _check_layer_tensors_before_load(layer: NeuroAdaLayer, name: str, state_dict
     for adapter in layer.neuroada_delta:
         shape = layer.neuroada_delta[adapter].shape
         loaded = {attribute: state_dict.get(f"{name}.{attribute}.{adapter}") for attribute in SAVED_TENSORS}
-        problem = None
-        if loaded["neuroada_indices"] is not None:
-            buffer = loaded["neuroada_indices"]
-            problem = buffer_problem(buffer, shape, layer.in_features)
-            problem = problem or index_problem(from_buffer(buffer, shape), layer.in_features)
-            if problem:
-                problem = f"its neuroada_indices {problem}"
-        if loaded["neuroada_rows"] is not None and not problem:
-            if rows_problem := index_problem(loaded["neuroada_rows"], layer.out_features, "neuroada_rows"):
-                problem = f"its neuroada_rows {rows_problem}"
-        if problem:
+        if problem := layer.placement_problem(shape, loaded["neuroada_indices"], loaded["neuroada_rows"]):
             raise ValueError(
                 f"Refusing to load adapter '{adapter}' at layer '{name}': {problem}. Nothing was loaded. The state "
                 "dict does not hold this adapter as saved from this model (damaged, edited, or from another adapter "

@@ -195,7 +195,7 @@ def _build(cc: list[str], target: Path) -> ctypes.CDLL:
         fingerprint = _fingerprint(built.read_bytes())
         lib = _trusted(ctypes.CDLL(str(built)))
         os.replace(built, target)
-    _write_quietly(target.with_suffix(".sha256"), fingerprint, "the C kernels' size and hash")
+    _write_quietly(target.with_suffix(".sha256"), fingerprint)
     return lib
 
 
