@@ -4,7 +4,7 @@
 
 The step is train_cost's (same model, batch, variant and optimizer), profiled after warmup. NeuroAda's own work shows
 as `SparseBypass` / `SparseBypassBackward` (the non-mutating path: the C kernels run inside them),
-`neuroada::bypass_input_grad`, and `InplaceMergedLinear` / `DirectLinear` on float bases; compare a variant's table
+`neuroada::bypass_input_grad`, and `LinearWithDeltas` on float bases; compare a variant's table
 with the floor's to see what it adds.
 """
 

@@ -5,11 +5,11 @@ from .config import NeuroAdaConfig
 from .gradient_selection import select_by_gradient
 from .layer import Linear, NeuroAdaLayer
 from .model import NeuroAdaModel
+from .peft_compat import route_safetensors_calls
 from .registration import register
-from .safe_io import install as _install_safe_adapter_io
 
 NEUROADA = register()
-_install_safe_adapter_io()
+route_safetensors_calls()
 
 __all__ = [
     "NEUROADA",

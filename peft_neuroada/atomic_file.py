@@ -1,10 +1,6 @@
-"""Files written whole or not at all: a reader (another process, or anyone after a crash) never sees part of one.
-
-An adapter is two files, its weights and its config, written one after the other, so one rename per file is not
-enough: a save interrupted between them would pair the new weights with the old config. The weights' save keeps the
-folder's last consistent pair beside it (`keep_previous_pair`), the config's rename commits the new pair
-(`commit_config`), and a reader picks the weights that belong to the config it finds (`weights_to_read`).
-"""
+"""Files written whole or not at all, even across a crash. An adapter is two files, so a save interrupted between them
+would pair new weights with the old config: the weights' save keeps the last consistent pair (`keep_previous_pair`),
+the config's rename commits the new one (`commit_config`), and readers pick the weights of the config they find."""
 
 from __future__ import annotations
 
@@ -16,10 +12,8 @@ from pathlib import Path
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Run `write(temporary_path)` and move the result onto `path` in one rename, or leave `path` untouched.
-
-    The temporary file sits beside `path` (a rename cannot cross file systems) under a name no other call uses, so
-    threads and processes writing the same path at once never write into each other's file."""
+    """Run `write(temporary_path)` and rename the result onto `path`. The temporary file is beside `path` (renames
+    cannot cross file systems), under a unique name so concurrent writers never share one."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     try:
@@ -37,11 +31,9 @@ def previous_version(path: Path) -> Path:
 
 
 def keep_previous_pair(weights: Path, config: Path) -> None:
-    """Before a save replaces `weights`: keep the folder's consistent (weights, config) pair beside them, so that a
-    save interrupted before its config lands still reads whole (`weights_to_read`).
-
-    An earlier interrupted save's pair is left as it is: `weights` is then that save's, which no config describes.
-    The kept pair counts only once both files are there, so its config is removed first and written last."""
+    """Before a save replaces `weights`, keep the folder's consistent pair beside them, so a save interrupted before
+    its config lands still reads whole; after an interrupted save the pair kept then stays (`weights` match no config).
+    The kept pair counts once both files exist: its config is removed first and written last."""
     if not (weights.is_file() and config.is_file()) or weights_to_read(weights, config) != weights:
         return
     previous_version(config).unlink(missing_ok=True)
@@ -50,11 +42,8 @@ def keep_previous_pair(weights: Path, config: Path) -> None:
 
 
 def commit_config(staged: Path, config: Path, weights: Path) -> None:
-    """Rename `staged` onto `config`: the step that makes the `weights` written before it the folder's adapter.
-
-    The kept pair (`keep_previous_pair`) is dropped after the rename, or before it when the new config is
-    byte-identical to the kept one (repeated checkpoints of one config): there, the rename would not tell readers
-    that the save is complete."""
+    """Rename `staged` onto `config`, committing the `weights` written before it, and drop the kept pair (before too
+    when the new config equals the kept one: then readers could not tell the save from the kept pair)."""
     if _same_bytes(staged, previous_version(config)):
         _drop_previous_pair(weights, config)
     os.replace(staged, config)
@@ -62,12 +51,9 @@ def commit_config(staged: Path, config: Path, weights: Path) -> None:
 
 
 def weights_to_read(weights: Path, config: Path) -> Path:
-    """The weights file that belongs to `config`: `weights`, or the kept previous one while the save that replaced
-    `weights` has not committed its config yet (the folder's config is still the kept one)."""
+    """The weights file of `config`: the kept one while the save replacing `weights` has not committed its config."""
     previous = previous_version(weights)
-    if previous.is_file() and _same_bytes(config, previous_version(config)):
-        return previous
-    return weights
+    return previous if previous.is_file() and _same_bytes(config, previous_version(config)) else weights
 
 
 def _drop_previous_pair(weights: Path, config: Path) -> None:
@@ -76,9 +62,8 @@ def _drop_previous_pair(weights: Path, config: Path) -> None:
 
 
 def _link_or_copy(source: Path, destination: str) -> None:
-    """A hard link costs no space or time; a copy where the file system has none."""
     try:
-        os.link(source, destination)
+        os.link(source, destination)  # costs no space or time
     except OSError:
         shutil.copyfile(source, destination)
 

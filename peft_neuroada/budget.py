@@ -12,10 +12,8 @@ from .selection import tuned_neuron_count
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
-    """(d_out, d_in) of every layer `config` would adapt in `model`, resolving defaults like `get_peft_model` does.
-
-    Read from the layers' feature counts, not their weights' shapes: a quantized weight (bitsandbytes 4-bit) is stored
-    packed in a tensor of another shape."""
+    """(d_out, d_in) of every layer `config` would adapt in `model`, from the layers' feature counts: a quantized
+    weight (bitsandbytes 4-bit) is stored packed, in a tensor of another shape."""
     return [
         _get_in_out_features(module)[::-1]
         for _, module in targeted_modules(model, config)
@@ -24,47 +22,37 @@ def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int,
 
 
 def neuroada_parameter_count(shapes: list[tuple[int, int]], k: int, neuron_fraction: float = 1.0) -> int:
-    """Trainable parameters of NeuroAda with this k on layers of these shapes."""
     return sum(tuned_neuron_count(d_out, neuron_fraction) * min(k, d_in) for d_out, d_in in shapes)
 
 
 def lora_parameter_count(shapes: list[tuple[int, int]], rank: int) -> int:
-    """Trainable parameters of LoRA with this rank on layers of these shapes."""
     return sum(rank * (d_in + d_out) for d_out, d_in in shapes)
 
 
 def k_for_budget(
     model: nn.Module, config: NeuroAdaConfig, *, lora_rank: int | None = None, percent: float | None = None
 ) -> int:
-    """The k whose NeuroAda parameter count is closest to the budget (the smaller k on a tie).
-
-    Give exactly one budget: `lora_rank` (same trainable parameters as LoRA of that rank on the same layers) or
-    `percent` (share of the model's parameters, as in the paper's tables).
-    """
+    """The k whose parameter count is closest to exactly one budget (the smaller k on a tie): that of LoRA with
+    `lora_rank` on the same layers, or `percent` of the model's parameters (as in the paper's tables)."""
     if (lora_rank is None) == (percent is None):
         raise ValueError("Give exactly one budget: lora_rank=... or percent=...")
     shapes = targeted_shapes(model, config)
     if not shapes:
         raise ValueError(f"No layer of the model matches target_modules={config.target_modules!r}.")
-    if lora_rank is not None:
-        target = lora_parameter_count(shapes, lora_rank)
-    else:
-        target = percent / 100 * sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    target = lora_parameter_count(shapes, lora_rank) if lora_rank is not None else percent / 100 * total
     max_k = max(d_in for _, d_in in shapes)
     counts = {k: neuroada_parameter_count(shapes, k, config.neuron_fraction) for k in range(1, max_k + 1)}
     return min(counts, key=lambda k: (abs(counts[k] - target), k))
 
 
 def lora_rank_for_k(shapes: list[tuple[int, int]], k: int) -> int:
-    """The LoRA rank whose parameter count on these layers is closest to NeuroAda's with this k (the smaller rank on
-    a tie): the peer at equal budget."""
+    """The LoRA rank of the parameter count closest to NeuroAda's with this k (the smaller on a tie)."""
     target = neuroada_parameter_count(shapes, k)
-    per_rank = lora_parameter_count(shapes, 1)
-    low = max(1, target // per_rank)
+    low = max(1, target // lora_parameter_count(shapes, 1))
     return min((low, low + 1), key=lambda rank: (abs(lora_parameter_count(shapes, rank) - target), rank))
 
 
 def density_for_k(shapes: list[tuple[int, int]], k: int) -> float:
-    """The share of these layers' weight entries that NeuroAda with this k tunes: the density a sparse method of
-    entries (SHiRA, Super-Tuning) needs for an equal budget."""
+    """The share of weight entries NeuroAda tunes: a sparse method's (SHiRA, Super-Tuning) density at equal budget."""
     return neuroada_parameter_count(shapes, k) / sum(d_out * d_in for d_out, d_in in shapes)

@@ -1,5 +1,4 @@
-"""Where peft-neuroada keeps what it builds or converts once per machine: the compiled C kernels, the embedded default
-model as safetensors, the benchmarks' saved random models."""
+"""Where peft-neuroada keeps what it builds once per machine (compiled kernels, converted models)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """`$PEFT_NEUROADA_CACHE` (unless empty), else `~/.cache/peft_neuroada`. The home folder is looked up only for the
-    latter, so a process without one can name its cache; RuntimeError (from `Path.home`) where neither is known."""
+    """`$PEFT_NEUROADA_CACHE` (unless empty), else `~/.cache/peft_neuroada`: a process without a home can name one."""
     configured = os.environ.get("PEFT_NEUROADA_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "peft_neuroada"

@@ -1,13 +1,10 @@
-"""Gradient-based selection: per neuron, the inputs whose weights have the largest |Σ dL/dw| over the batches.
-
-The dense weight gradient of a layer is `grad_out.T @ x`; it is accumulated only for as many layers at a time as fit
-in `max_accumulated_elements`, with one pass over the calibration batches per group of layers, so the full dense
-gradient of the whole model never exists at once.
-"""
+"""Gradient-based selection: per neuron, the inputs with the largest |Σ dL/dw| over the batches, accumulated for as
+many layers as fit in `max_accumulated_elements` per pass, so the model's dense gradients never exist at once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 from torch import nn
@@ -16,9 +13,11 @@ from .layer import NeuroAdaLayer
 from .selection import select_inputs
 
 Batch = dict[str, torch.Tensor]
+Layers = list[tuple[str, NeuroAdaLayer]]
+LossOf = Callable[[nn.Module, Batch], torch.Tensor]
 
 
-def _layer_groups(layers: list[tuple[str, NeuroAdaLayer]], budget: int) -> Iterator[list[tuple[str, NeuroAdaLayer]]]:
+def _layer_groups(layers: Layers, budget: int) -> Iterator[Layers]:
     group, used = [], 0
     for name, layer in layers:
         size = layer.in_features * layer.out_features
@@ -32,32 +31,22 @@ def _layer_groups(layers: list[tuple[str, NeuroAdaLayer]], budget: int) -> Itera
 
 
 def _accumulate_gradients(
-    model: nn.Module,
-    group: list[tuple[str, NeuroAdaLayer]],
-    batches: list[Batch],
-    loss_of: Callable[[nn.Module, Batch], torch.Tensor],
+    model: nn.Module, group: Layers, batches: list[Batch], loss_of: LossOf
 ) -> dict[str, torch.Tensor]:
     accumulated = {name: torch.zeros(layer.out_features, layer.in_features) for name, layer in group}
     reached: set[str] = set()
 
-    def watch(name: str) -> Callable:
-        def on_forward(layer: NeuroAdaLayer, inputs: tuple, output: torch.Tensor) -> None:
-            # Reentrant checkpointing runs each segment first without gradients, then again in backward with them:
-            # only the second run's output has a gradient to watch.
-            if not output.requires_grad:
-                return
-            x2d = inputs[0].detach().reshape(-1, layer.in_features)
+    def on_forward(name: str, layer: NeuroAdaLayer, inputs: tuple, output: torch.Tensor) -> None:
+        # Reentrant checkpointing runs each segment without gradients, then again in backward with them.
+        if output.requires_grad:
+            output.register_hook(partial(on_grad, name, layer, inputs[0].detach().reshape(-1, layer.in_features)))
 
-            def on_grad(grad_out: torch.Tensor) -> None:
-                grad2d = grad_out.reshape(-1, layer.out_features)
-                accumulated[name].addmm_(grad2d.T.float().cpu(), x2d.float().cpu())
-                reached.add(name)
+    def on_grad(name: str, layer: NeuroAdaLayer, x2d: torch.Tensor, grad_out: torch.Tensor) -> None:
+        grad2d = grad_out.reshape(-1, layer.out_features)
+        accumulated[name].addmm_(grad2d.T.float().cpu(), x2d.float().cpu())
+        reached.add(name)
 
-            output.register_hook(on_grad)
-
-        return on_forward
-
-    hooks = [layer.register_forward_hook(watch(name)) for name, layer in group]
+    hooks = [layer.register_forward_hook(partial(on_forward, name)) for name, layer in group]
     try:
         with torch.enable_grad():
             for batch in batches:
@@ -79,16 +68,12 @@ def select_by_gradient(
     model: nn.Module,
     batches: Iterable[Batch],
     adapter_name: str = "default",
-    loss_of: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+    loss_of: LossOf | None = None,
     max_accumulated_elements: int = 1 << 27,
 ) -> None:
-    """Re-select every layer's inputs of `adapter_name` by their summed gradient's magnitude; restart its deltas.
-
-    Call after `get_peft_model(..., NeuroAdaConfig(selection="gradient"))` and before training. `batches` are model
-    inputs with labels (e.g. a few tokenized training batches); `loss_of(model, batch)` defaults to
-    `model(**batch).loss`. The adapter must be active, trainable and unmerged, since gradients flow through its
-    deltas; the gradients the calibration passes leave on the model's parameters are cleared (set to None).
-    """
+    """Re-select `adapter_name`'s inputs by their summed gradient's magnitude, restarting its deltas: call after
+    `get_peft_model(..., NeuroAdaConfig(selection="gradient"))`, before training, with a few labelled batches. The
+    adapter must be active, trainable and unmerged; the parameters' gradients are cleared after."""
     loss_of = loss_of or (lambda m, batch: m(**batch).loss)
     batches = list(batches)
     layers = [
@@ -103,11 +88,9 @@ def select_by_gradient(
     for group in _layer_groups(layers, max_accumulated_elements):
         gradients = _accumulate_gradients(model, group, batches, loss_of)
         for name, layer in group:
-            gradient = gradients.pop(name)
-            rows = layer.placement(adapter_name).rows
+            gradient, rows = gradients.pop(name), layer.placement(adapter_name).rows
             tuned = gradient if rows is None else gradient[rows.long()]
             cols = select_inputs(tuned, layer.neuroada_delta[adapter_name].shape[1])
             layer.reselect(adapter_name, cols.to(layer.neuroada_indices[adapter_name].device))
-    peft_config = getattr(model, "peft_config", {}).get(adapter_name)
-    if peft_config is not None:
+    if (peft_config := getattr(model, "peft_config", {}).get(adapter_name)) is not None:
         peft_config.selection = "gradient"

@@ -1,16 +1,7 @@
-"""How a layer keeps its selected input columns: int16 in memory, in a buffer every collective backend can broadcast
-and every loader can load by name.
-
-The columns are the one tensor NeuroAda keeps that LoRA has none of (SmolLM2 at k=20: 3.1M of them, 11.9 MiB as
-int32), and int16 holds every column of a layer with up to 32,768 inputs. But DDP broadcasts buffers, and neither gloo
-nor NCCL broadcasts int16 (gloo: `RuntimeError: Invalid scalar type`). So a layer's int16 columns are packed in pairs
-into a flat int32 buffer, and everything that reads them takes its (n, k) int16 view. Wider layers keep plain (n, k)
-int32 columns.
-
-The buffer is saved as it is held: transformers' own adapter loading (`load_adapter`, `from_pretrained` on an adapter
-folder) assigns saved tensors to buffers by name after comparing shapes, and calls no peft hook that could repack them.
-peft's loading also reads (n, k) columns, the layout of adapters saved before.
-"""
+"""How a layer keeps its selected input columns: int16 (enough for up to 32,768 inputs) halves the one tensor LoRA
+has no counterpart of. DDP broadcasts buffers and neither gloo nor NCCL broadcasts int16, so the columns are packed
+in pairs into a flat int32 buffer, read through an (n, k) int16 view; wider layers keep (n, k) int32. The buffer is
+saved as held: transformers' adapter loading assigns saved tensors to buffers by name, with no peft hook to repack."""
 
 from __future__ import annotations
 
@@ -18,23 +9,21 @@ import sys
 
 import torch
 
-from .selection import INDEX_DTYPE as BUFFER_DTYPE  # the dtype selection returns: every backend broadcasts it
+from .selection import INDEX_DTYPE as BUFFER_DTYPE
 
 PACKED_DTYPE = torch.int16
 _PACKED_MAX_COLUMNS = torch.iinfo(PACKED_DTYPE).max + 1
-# A pair's first column is the low half of its int32 in saved files; the int16 view reads it there on little-endian
-# machines only, so big-endian ones keep (n, k) int32 columns.
+# Saved files hold a pair's first column in the low half of its int32, where the int16 view reads it on little-endian
+# machines only: big-endian ones keep (n, k) int32 columns.
 _PACKS = sys.byteorder == "little"
 
 
 def index_dtype(size: int) -> torch.dtype:
-    """Smallest integer dtype able to hold every index into a dimension of `size` entries."""
     return PACKED_DTYPE if size <= _PACKED_MAX_COLUMNS else BUFFER_DTYPE
 
 
 def to_buffer(cols: torch.Tensor, d_in: int) -> torch.Tensor:
-    """The (n, k) columns of a layer with `d_in` inputs as the layer stores them: int16 pairs in a flat int32 tensor
-    (padded with one zero when n * k is odd), or (n, k) int32 when d_in exceeds int16."""
+    """(n, k) columns of a layer with `d_in` inputs as it stores them (int16 pairs, a zero padding an odd count)."""
     if index_dtype(d_in) != PACKED_DTYPE or not _PACKS:
         return cols.to(BUFFER_DTYPE)
     flat = cols.reshape(-1).to(PACKED_DTYPE)
@@ -44,17 +33,14 @@ def to_buffer(cols: torch.Tensor, d_in: int) -> torch.Tensor:
 
 
 def from_buffer(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
-    """The (n, k) columns (`shape`, the deltas' shape) a buffer made by `to_buffer` holds: a view, no copy."""
-    if buffer.dim() == 2:
-        return buffer
+    """The (n, k) columns (`shape`: the deltas') a `to_buffer` buffer holds, as a view."""
     n, k = shape
-    return buffer.view(PACKED_DTYPE)[: n * k].view(n, k)
+    return buffer if buffer.dim() == 2 else buffer.view(PACKED_DTYPE)[: n * k].view(n, k)
 
 
 def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int], d_in: int) -> str | None:
-    """What is wrong with `buffer` as the index buffer `to_buffer` makes for (n, k) columns of a layer with `d_in`
-    inputs, or None. A buffer of another dtype or size holds no columns at all: viewed as int16 pairs, a cast or
-    resized buffer would read as other, possibly valid, columns."""
+    """How `buffer` differs from `to_buffer`'s for (n, k) columns of `d_in` inputs, or None. Dtype and size must
+    match exactly: viewed as int16 pairs, a cast or resized buffer would read as other columns."""
     n, k = shape
     packed = index_dtype(d_in) == PACKED_DTYPE and _PACKS
     expected = (n * k + 1) // 2 if packed else (n, k)
@@ -66,9 +52,7 @@ def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int], d_
 
 
 def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """The (n, k) columns a saved index tensor holds: a packed buffer (int16 pairs in int32) or (n, k) columns.
-
-    Unpacked arithmetically, whatever the machine's byte order; raises if the tensor cannot hold (n, k) columns."""
+    """The (n, k) columns a saved index tensor (packed or (n, k)) holds, unpacked whatever the machine's byte order."""
     n, k = shape
     if saved.dim() == 2:
         if tuple(saved.shape) != (n, k):
@@ -84,9 +68,8 @@ def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices") -> str | None:
-    """What makes `indices` (a layer's (n, k) columns or (n,) rows) differ from what selection makes (integers in
-    [0, bound), no column twice in a row, no neuron twice), or None. Kernels and merges would write other weight
-    entries otherwise. Values on the meta device are not checked."""
+    """What makes `indices` ((n, k) columns or (n,) rows) differ from selection's (integers in [0, bound), none twice
+    in a row), or None: kernels and merges would write other weight entries."""
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         return f"have dtype {indices.dtype}, not integer"
     if indices.is_meta or not indices.numel():
@@ -96,7 +79,7 @@ def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_
     if low < 0 or high >= bound:
         what = "inputs" if attribute == "neuroada_indices" else "outputs"
         return f"range over [{low}, {high}] but the layer has only {bound} {what}"
-    if _repeats(indices):
+    if indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
         return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
     return None
 
@@ -115,11 +98,3 @@ def checked_indices(layer: str, attribute: str, indices: torch.Tensor, bound: in
         f"The NeuroAda adapter's {attribute} for layer '{layer}' {problem}; selection never makes such indices, so "
         "the file is damaged or was edited. Save the adapter again from the model it was trained in."
     )
-
-
-def _repeats(indices: torch.Tensor) -> bool:
-    """Whether a row of (n, k) columns, or (n,) rows, holds one index twice."""
-    if indices.is_meta or indices.shape[-1] < 2:
-        return False
-    ordered = indices.sort(dim=-1).values
-    return bool((ordered[..., 1:] == ordered[..., :-1]).any())

@@ -18,7 +18,6 @@ from peft.tuners.tuners_utils import (
     BaseTunerLayer,
     _maybe_include_all_linear_layers,
     check_target_module_exists,
-    onload_layer,
 )
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
@@ -31,24 +30,13 @@ from .config import (
     NeuroAdaConfig,
     default_targets,
 )
-from .layer import (
-    BASE_ADAPTER_NAME,
-    LOAD_WEIGHTS_HINT,
-    SAVED_TENSORS,
-    Linear,
-    MixedBatch,
-    NeuroAdaLayer,
-    serving,
-    unreadable_weight,
-)
+from .layer import BASE_ADAPTER_NAME, LOAD_WEIGHTS_HINT, Linear, MixedBatch, NeuroAdaLayer, serving, unreadable_weight
+from .loading import check_saved_deltas, check_saved_tensors
+from .peft_compat import PeftCompat, without_wrapper_names
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
 
-# Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: their names are part of the
-# module names but not of the state-dict keys (the wrappers' state-dict hooks drop them).
-_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
-
-class NeuroAdaModel(BaseTuner):
+class NeuroAdaModel(PeftCompat, BaseTuner):
     """Creates a NeuroAda model from a pretrained transformers model.
 
     Example:
@@ -63,17 +51,6 @@ class NeuroAdaModel(BaseTuner):
     prefix: str = PREFIX
     tuner_layer_cls = NeuroAdaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(_check_tensors_before_load)
-
-    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """peft runs `_pre_injection_hook` before the first adapter only: an adapter added later (`add_adapter`,
-        `load_adapter`) is checked the same way here, before any layer changes."""
-        if any(isinstance(module, NeuroAdaLayer) for module in model.modules()):
-            self._pre_injection_hook(model, self.peft_config[adapter_name], adapter_name)
-        super().inject_adapter(model, adapter_name, *args, **kwargs)
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         if peft_config.target_modules is None:
@@ -90,7 +67,7 @@ class NeuroAdaModel(BaseTuner):
                 "wrap it with fully_shard / FullyShardedDataParallel / accelerator.prepare (see docs/distributed.md)."
             )
         targeted = targeted_modules(model, config)
-        config.check_saved_deltas((_without_wrapper_names(name), module) for name, module in targeted)
+        check_saved_deltas(config, [(without_wrapper_names(name), module) for name, module in targeted])
         unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted:
             if isinstance(module, NeuroAdaLayer) and module.merged_into_quantized_weight():
@@ -170,103 +147,36 @@ class NeuroAdaModel(BaseTuner):
             config.fan_in_fan_out = fan_in_fan_out  # as LoRA does: the saved config then loads without the warning
         return Linear(target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key)
 
-    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
-        """peft's, except that the biases of an adapter loaded for inference (`is_trainable=False`) stay frozen like
-        its deltas: nothing of an inference adapter trains."""
-        super()._mark_only_adapters_as_trainable(model)
-        for name in self.active_adapters:
-            config = self.peft_config[name]
-            if config.bias != "none" and config.inference_mode:
-                for bias in trained_biases(model, config.bias):
-                    bias.requires_grad = False
-
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
         mark_shared_weights(self.model)
 
-    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
-        """peft's `merge_adapter`, all or nothing: every layer is checked first, and if a layer still fails, the
-        layers merged before it are unmerged again, so the model is either fully merged or bit-identical."""
-        self._check_merge_allowed()
-        layers = [module for module in self.model.modules() if isinstance(module, NeuroAdaLayer)]
-        for layer in layers:
-            if any(adapter in layer.neuroada_delta for adapter in adapter_names or layer.active_adapters):
-                layer.check_mergeable()
-        merged = []
-        try:
-            for layer in layers:
-                with onload_layer(layer):
-                    before = len(layer.merged_adapters)
-                    layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
-                merged.append((layer, before))
-        except BaseException:
-            for layer, before in reversed(merged):
-                with onload_layer(layer):
-                    layer.unmerge_to(before)
-            raise
-
-    def unmerge_adapter(self) -> None:
-        """peft's `unmerge_adapter`, all or nothing: if a layer fails, the layers unmerged before it are merged again
-        exactly as they were."""
-        unmerged = []
-        try:
-            for module in self.model.modules():
-                if isinstance(module, NeuroAdaLayer) and module.merged:
-                    with onload_layer(module):
-                        names = list(module.merged_adapters)
-                        module.unmerge()
-                    unmerged.append((module, names))
-        except BaseException:
-            for layer, names in reversed(unmerged):
-                with onload_layer(layer):
-                    layer.merge(adapter_names=names)
-            raise
-
-    def _unload_and_optionally_merge(
-        self,
-        merge: bool = True,
-        progressbar: bool = False,
-        safe_merge: bool = False,
-        adapter_names: list[str] | None = None,
-    ) -> nn.Module:
-        # Merge everything first (all or nothing), then take the adapter layers out.
-        if merge:
-            self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
-        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
-
-    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
-        """peft's, except when unloading a `modules_to_save` (or trainable-tokens) wrapper: its module only goes back
-        in place. peft's own would give that module the wrapper's `weight`, which fails for a head without one of its
-        own (RoBERTa's `RobertaClassificationHead`, the paper's GLUE runs). LoRA's override (for quantized weights)
-        copies no weight either."""
-        if isinstance(child, AuxiliaryTrainingWrapper):
-            setattr(parent, child_name, new_module)
-            return
-        super()._replace_module(parent, child_name, new_module, child)
-
     def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
         """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
-        the change that merging each source scaled by its weight would make to the base weights.
+        what merging each source scaled by its weight would change in the base weights.
 
-        NeuroAda adapters add exactly only where they tune the same input connections, as adapters trained with one
-        `k` and `neuron_fraction` and the same selection on the same base model do (magnitude selection depends on the
-        base weights alone). Every check runs before the model changes, and a combination that cannot be exact is
-        refused with a ValueError (naming the layer where the indices differ). Modules in `modules_to_save` are copied
-        from the one source that saves them, unweighted; two sources saving the same module are refused, as in LoRA.
-        LoRA's other combination types (svd, cat, ties, dare, magnitude_prune) work on low-rank factors, which NeuroAda
-        deltas do not have: there is no `combination_type`.
-        """
-        config, layers = self._checked_weighted_adapter(adapters, weights, adapter_name)
+        That is exact only where the sources tune the same input connections (one k, neuron_fraction and selection on
+        the same base model); anything else is refused before the model changes, naming the layer. `modules_to_save`
+        are copied, unweighted, from the one source that saves them. LoRA's `combination_type`s work on low-rank
+        factors, which NeuroAda deltas do not have."""
+        if refusal := self._weighted_adapter_refusal(adapters, weights, adapter_name):
+            raise ValueError(refusal)
+        configs = [self.peft_config[name] for name in adapters]
+        layers = {
+            name: layer
+            for name, layer in self.model.named_modules()
+            if isinstance(layer, NeuroAdaLayer) and any(adapter in layer.neuroada_delta for adapter in adapters)
+        }
         heads = [
             (wrapper, next(name for name in adapters if name in wrapper.modules_to_save))
             for wrapper in self.model.modules()
             if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
         ]
         active = copy.copy(self.active_adapter)
-        self.peft_config[adapter_name] = config
+        self.peft_config[adapter_name] = self._config_for_layers(configs, set(layers))
         try:
             self.inject_adapter(self.model, adapter_name)
-            for layer in layers:
+            for layer in layers.values():
                 layer.set_weighted_sum(adapter_name, adapters, weights)
             for wrapper, holder in heads:
                 wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[holder].state_dict())
@@ -276,68 +186,51 @@ class NeuroAdaModel(BaseTuner):
             self.active_adapter = active
             raise
 
-    def _checked_weighted_adapter(
-        self, adapters: list[str], weights: list[float], adapter_name: str
-    ) -> tuple[NeuroAdaConfig, list[NeuroAdaLayer]]:
-        """The config of `add_weighted_adapter`'s new adapter and the layers it gets, after checking that the
-        combination is exact."""
+    def _weighted_adapter_refusal(self, adapters: list[str], weights: list[float], adapter_name: str) -> str | None:
+        """Why `add_weighted_adapter` cannot combine these exactly, or None."""
         if adapter_name in self.peft_config:
-            raise ValueError(f"Adapter with name '{adapter_name}' already exists.")
+            return f"Adapter with name '{adapter_name}' already exists."
         if not adapters:
-            raise ValueError("add_weighted_adapter needs at least one adapter to combine (got none).")
+            return "add_weighted_adapter needs at least one adapter to combine (got none)."
         if len(weights) != len(adapters):
-            raise ValueError(
-                f"add_weighted_adapter needs one weight per adapter (got {len(adapters)} adapters and "
-                f"{len(weights)} weights)."
-            )
+            got = f"{len(adapters)} adapters and {len(weights)} weights"
+            return f"add_weighted_adapter needs one weight per adapter (got {got})."
         if not all(math.isfinite(weight) for weight in weights):
-            raise ValueError(f"add_weighted_adapter needs finite weights (got {weights}).")
-        for name in adapters:
-            if name not in self.peft_config:
-                raise ValueError(f"Adapter {name} does not exist")
+            return f"add_weighted_adapter needs finite weights (got {weights})."
+        if missing := [name for name in adapters if name not in self.peft_config]:
+            return f"Adapter {missing[0]} does not exist"
         configs = [self.peft_config[name] for name in adapters]
-        for name, source in zip(adapters, configs, strict=True):
-            if source.bias != "none":
-                raise ValueError(
-                    f"Cannot weight adapter '{name}': it trains biases (bias={source.bias!r}), which live in the base "
-                    "model, apply to every adapter and cannot be scaled. Combine adapters trained with bias='none'."
-                )
-        shapes = {(source.k, source.neuron_fraction) for source in configs}
-        if len(shapes) > 1:
-            listed = ", ".join(
-                f"'{name}': k={source.k}, neuron_fraction={source.neuron_fraction}"
-                for name, source in zip(adapters, configs, strict=True)
+        if biased := [(name, c.bias) for name, c in zip(adapters, configs, strict=True) if c.bias != "none"]:
+            return (
+                f"Cannot weight adapter '{biased[0][0]}': it trains biases (bias={biased[0][1]!r}), which live in the "
+                "base model, apply to every adapter and cannot be scaled. Combine adapters trained with bias='none'."
             )
-            raise ValueError(
+        if len({(c.k, c.neuron_fraction) for c in configs}) > 1:
+            pairs = zip(adapters, configs, strict=True)
+            listed = ", ".join(f"'{n}': k={c.k}, neuron_fraction={c.neuron_fraction}" for n, c in pairs)
+            return (
                 f"Cannot combine NeuroAda adapters with different k or neuron_fraction ({listed}): their deltas have "
                 "different shapes and tune different input connections. Combine adapters trained with the same ones."
             )
-        shared_heads = [
-            wrapper
-            for wrapper in self.model.modules()
-            if isinstance(wrapper, ModulesToSaveWrapper) and sum(n in wrapper.modules_to_save for n in adapters) > 1
-        ]
-        if shared_heads:
-            raise ValueError(
+        wrappers = [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        if shared := sum(sum(name in wrapper.modules_to_save for name in adapters) > 1 for wrapper in wrappers):
+            return (
                 "Cannot add weighted adapters if they target the same module with modules_to_save, but found "
-                f"{len(shared_heads)} such instance(s)."
+                f"{shared} such instance(s)."
             )
-        layers = {}
         for name, layer in self.model.named_modules():
-            if isinstance(layer, NeuroAdaLayer) and any(adapter in layer.neuroada_delta for adapter in adapters):
-                if conflict := layer.placement_conflict(adapters):
-                    raise ValueError(
-                        f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices "
-                        "differ), so no single set of k deltas per neuron holds their sum. Combine adapters trained "
-                        "with the same k, neuron_fraction and selection on the same base model, or activate them "
-                        "together instead (`model.base_model.set_adapter([...])`), which adds them at weight 1."
-                    )
-                layers[name] = layer
-        return self._config_for_layers(configs, set(layers)), list(layers.values())
+            if isinstance(layer, NeuroAdaLayer) and (conflict := layer.placement_conflict(adapters)):
+                return (
+                    f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices differ), "
+                    "so no single set of k deltas per neuron holds their sum. Combine adapters trained with the same "
+                    "k, neuron_fraction and selection on the same base model, or activate them together instead "
+                    "(`model.base_model.set_adapter([...])`), which adds them at weight 1."
+                )
+        return None
 
     def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
-        """The first source's config, with every source's `modules_to_save`, targeting exactly `layer_names`: by the
-        first source's own targets where they do, else by the layers' exact names."""
+        """The first source's config with every source's `modules_to_save`, targeting exactly `layer_names` (by its
+        own targets where they do, else by the layers' names)."""
         config = copy.deepcopy(sources[0])
         saved = [module for source in sources for module in source.modules_to_save or ()]
         config.modules_to_save = list(dict.fromkeys(saved)) or None
@@ -398,28 +291,13 @@ class NeuroAdaModel(BaseTuner):
             super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
 
     @classmethod
-    def _get_adapter_state_dict(
-        cls,
-        model: nn.Module,
-        config: NeuroAdaConfig,
-        adapter_name: str,
-        state_dict: dict[str, torch.Tensor],
-        unwanted_adapter_names: list[str],
-    ) -> dict[str, torch.Tensor]:
-        """The adapter's tensors, index buffers as the layers hold them (index_storage.py: what transformers' own
-        adapter loading can assign back by name)."""
-        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        selected.update(_entries_of_wrapped_layers(model, adapter_name, state_dict))
-        return selected
-
-    @classmethod
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         for name, module in model.named_modules():
             if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
-                module.check_saved_tensors(name, adapter_name, remapped)
+                check_saved_tensors(module, name, adapter_name, remapped)
         return remapped
 
 
@@ -430,13 +308,6 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
         config.target_modules = default_targets(getattr(getattr(model, "config", None), "model_type", None))
     config = _maybe_include_all_linear_layers(config, model)
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
-
-
-def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
-    """The biases a config's `bias` option trains, chosen as peft's BaseTuner chooses them."""
-    if bias == "all":
-        return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
-    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
 
 
 def _listed(reasons: dict[str, str]) -> str:
@@ -482,70 +353,3 @@ def mark_shared_weights(model: nn.Module) -> None:
             base = module.get_base_layer()
             others = {name for name, holder in holders.get(_storage_key(base.weight), []) if holder is not base}
             module.weight_shared_with = tuple(sorted(others))
-
-
-def _entries_of_wrapped_layers(
-    model: nn.Module, adapter_name: str, state_dict: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The adapter's entries for layers inside FSDP1 or activation-checkpointing wrappers.
-
-    peft maps tuner layers to state-dict keys by module name and drops FSDP1's wrapper name only where it leads the
-    name; auto-wrapping puts it in the middle (`layers.0._fsdp_wrapped_module.self_attn.q_proj`), and peft would
-    save an empty adapter.
-    """
-    entries = {}
-    for name, module in model.named_modules():
-        key_prefix = _without_wrapper_names(name)
-        if key_prefix == name or not isinstance(module, NeuroAdaLayer):
-            continue
-        for attribute in SAVED_TENSORS:
-            key = f"{key_prefix}.{attribute}.{adapter_name}"
-            if key in state_dict:
-                entries[key] = state_dict[key]
-    return entries
-
-
-def _check_tensors_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_) -> None:
-    """Refuse, before anything loads, a state dict that would copy invalid indices into an adapter's index buffers
-    (what `load_state_dict` does in accelerate, DeepSpeed and FSDP resumes; kernels and merges would write other
-    weight entries), or change a merged adapter's deltas or indices (the merged weights would go on serving the old
-    values). `load_state_dict` and `set_peft_model_state_dict` both run this first: it is a load pre-hook of the
-    tuner model, which holds every adapter layer."""
-    for name, layer in model.named_modules():
-        if isinstance(layer, NeuroAdaLayer):
-            _check_layer_tensors_before_load(layer, f"{prefix}{name}", state_dict)
-
-
-def _check_layer_tensors_before_load(layer: NeuroAdaLayer, name: str, state_dict: dict[str, torch.Tensor]) -> None:
-    for adapter in layer.neuroada_delta:
-        shape = layer.neuroada_delta[adapter].shape
-        loaded = {attribute: state_dict.get(f"{name}.{attribute}.{adapter}") for attribute in SAVED_TENSORS}
-        if problem := layer.placement_problem(shape, loaded["neuroada_indices"], loaded["neuroada_rows"]):
-            raise ValueError(
-                f"Refusing to load adapter '{adapter}' at layer '{name}': {problem}. Nothing was loaded. The state "
-                "dict does not hold this adapter as saved from this model (damaged, edited, or from another adapter "
-                "or base model): load a checkpoint of this model, or load the adapter from its saved files."
-            )
-        if adapter in layer.merged_adapters and any(
-            tensor is not None and not _same_values(tensor, getattr(layer, attribute)[adapter])
-            for attribute, tensor in loaded.items()
-            if adapter in getattr(layer, attribute)
-        ):
-            raise ValueError(
-                f"Cannot load new values into adapter '{adapter}' (layer '{name}'): it is merged into the base "
-                "weights, which would keep serving its old values. Unmerge it first (`model.unmerge_adapter()`), "
-                "load, then merge again if you want it merged."
-            )
-
-
-def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
-    if loaded.shape != current.shape or loaded.is_meta:
-        return False
-    return torch.equal(loaded.to(device=current.device, dtype=current.dtype), current.detach())
-
-
-def _without_wrapper_names(name: str) -> str:
-    """A module's name as state-dict keys give it: without FSDP1 or activation-checkpointing wrapper names."""
-    for wrapper in _WRAPPER_NAMES:
-        name = name.replace(wrapper, "")
-    return name

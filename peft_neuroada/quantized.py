@@ -1,14 +1,6 @@
-"""Quantized base layers: reading their values, merging into them, and refusing the kinds NeuroAda cannot handle.
-
-Supported: bitsandbytes `Linear4bit` (nf4/fp4, with or without double quantization) and `Linear8bitLt`, and
-`nn.Linear` layers whose weight is a torchao tensor subclass that can dequantize (e.g. `Int8WeightOnlyConfig`,
-`IntxWeightOnlyConfig`). Their forward takes functional's general path (`base(x) + bypass(x)`), which never writes
-the weight. Here they are read (dequantized, a block of rows at a time, for selection) and merged (dequantize the
-layer, add, requantize; the replaced quantized weight is kept so unmerge restores it bit for bit).
-
-Other quantized layers peft knows (GPTQ, AWQ, HQQ, EETQ, AQLM, ...) are recognised by their package or class name,
-without importing those libraries, and refused by name before anything changes.
-"""
+"""Quantized bases (bitsandbytes `Linear4bit`/`Linear8bitLt`, `nn.Linear` with a torchao weight), read dequantized and
+merged by requantizing (keeping the replaced weight, which unmerge restores bit for bit). Other kinds are recognised by
+package or class name, without importing their libraries, and refused."""
 
 from __future__ import annotations
 
@@ -26,17 +18,13 @@ _UNSUPPORTED_PACKAGES = {
     "auto_gptq": "GPTQ (AutoGPTQ)",
     "gptqmodel": "GPTQ/AWQ (GPT-QModel)",
     "awq": "AWQ (AutoAWQ)",
-    "hqq": "HQQ",
-    "eetq": "EETQ",
-    "aqlm": "AQLM",
     "optimum": "optimum-quanto",
-    "vptq": "VPTQ",
     "compressed_tensors": "compressed-tensors",
     "neural_compressor": "Intel Neural Compressor",
     "transformer_engine": "Transformer Engine",
     "fp_quant": "FP-Quant",
     "spqr_quant": "SpQR",
-    "higgs": "HIGGS",
+    **{package: package.upper() for package in ("hqq", "eetq", "aqlm", "vptq", "higgs")},
 }
 # ... and by class name, for copies of those classes defined elsewhere (transformers ships several).
 _UNSUPPORTED_CLASS_NAMES = re.compile(
@@ -67,9 +55,8 @@ def _is_torchao(weight: Any) -> bool:
 
 def unsupported_quantization(base: nn.Module) -> str | None:
     """Why `base` is a quantized layer NeuroAda cannot adapt (None: it is plain or a supported kind)."""
-    cls = type(base)
+    cls, package = type(base), _package(base)
     kind = f"{cls.__module__}.{cls.__qualname__}"
-    package = _package(base)
     if package == "bitsandbytes":
         if cls.__name__ not in _BNB_4BIT + _BNB_8BIT:
             return f"it is a bitsandbytes {cls.__name__} ({kind}); only Linear4bit and Linear8bitLt are supported"
@@ -83,11 +70,9 @@ def unsupported_quantization(base: nn.Module) -> str | None:
     if any(hasattr(base, name) for name in ("qweight", "W_q", "qzeros")):
         return f"it holds packed quantized weights ({kind})"
     weight = getattr(base, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.is_meta:
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or (_is_torchao(weight) and isinstance(base, nn.Linear)):
         return None
     if _is_torchao(weight):
-        if isinstance(base, nn.Linear):
-            return None
         return f"it is a {cls.__name__} with a torchao {type(weight).__name__} weight; only nn.Linear is supported"
     if not weight.dtype.is_floating_point:
         return f"its weight is stored as {weight.dtype} by {kind}, a quantization NeuroAda does not know"
@@ -97,12 +82,17 @@ def unsupported_quantization(base: nn.Module) -> str | None:
 def unreadable_quantized_weight(base: nn.Module) -> str | None:
     """Why the values of a supported quantized layer cannot be read as it is now (None: they can)."""
     if _package(base) == "bitsandbytes":
-        if not_yet_quantized(base):
+        weight, state = base.weight, None
+        if type(base).__name__ in _BNB_4BIT:
+            state = weight.quant_state
+            quantized = weight.bnb_quantized and (state is not None or base.quant_state is not None)
+        else:
+            quantized = weight.dtype == torch.int8
+        if not quantized:
             return (
                 "its bitsandbytes weight is not quantized yet (bitsandbytes quantizes when the layer is moved to its "
                 "device): call `model.to(device)` first, or load the model with `quantization_config=...`"
             )
-        state = base.weight.quant_state if type(base).__name__ in _BNB_4BIT else None
         if getattr(state, "packing_format_for_cpu", False):
             return CPU_PACKED_HINT
     elif _is_torchao(getattr(base, "weight", None)) and not callable(getattr(base.weight, "dequantize", None)):
@@ -122,24 +112,17 @@ class Snapshot(NamedTuple):
 
 
 class QuantizedLinear:
-    """A supported quantized linear layer, seen as its dequantized (d_out, d_in) float32 weight.
-
-    Indexing with a slice of rows or a tensor of row numbers dequantizes just those rows, a block at a time, so
-    `select_inputs` reads it like a weight. A format that cannot dequantize part of a layer (see `reads_rows`) is
-    dequantized whole, once: one layer at a time, never the whole model.
-    """
+    """A quantized linear layer seen as its dequantized (d_out, d_in) float32 weight: indexing dequantizes only the
+    rows asked for, a block at a time, unless they do not dequantize alone (`reads_rows`). Subclasses define
+    `_dequantized_rows` and `replace` (requantize a (d_out, d_in) weight and install it)."""
 
     kind: str
     dtype = torch.float32
 
     def __init__(self, base: nn.Module) -> None:
-        self.base = base
+        self.base, self.device = base, base.weight.device
         self.shape = torch.Size((base.out_features, base.in_features))
         self._whole: torch.Tensor | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.weight.device
 
     def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
         if isinstance(index, slice):
@@ -157,13 +140,11 @@ class QuantizedLinear:
         return out
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of the dequantized weight, as float32."""
         if self._whole is None and self.reads_rows():
             return self._dequantized_rows(start, stop).float()
         return self.dense()[start:stop]
 
     def dense(self) -> torch.Tensor:
-        """The whole dequantized weight (one layer), as float32."""
         if self._whole is None:
             self._whole = self._dequantized().float()
         return self._whole
@@ -172,22 +153,15 @@ class QuantizedLinear:
         """Whether a block of rows dequantizes on its own, exactly as within the whole layer."""
         return True
 
-    def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
-        raise NotImplementedError
-
     def _dequantized(self) -> torch.Tensor:
-        raise NotImplementedError
+        return self._dequantized_rows(0, self.shape[0])
 
     def merge_refusal(self) -> str | None:
         """Why deltas cannot be merged into this layer (checked before any layer changes), or None."""
         return None
 
     def snapshot(self) -> Snapshot:
-        raise NotImplementedError
-
-    def replace(self, weight: torch.Tensor) -> None:
-        """Quantize `weight` (d_out, d_in) the way this layer is quantized and install it as the layer's weight."""
-        raise NotImplementedError
+        return Snapshot(self.base, {"weight": self.base.weight})
 
 
 class Bnb4bit(QuantizedLinear):
@@ -201,45 +175,35 @@ class Bnb4bit(QuantizedLinear):
         self._scales: torch.Tensor | None = None
 
     def reads_rows(self) -> bool:
-        # Rows split into whole scale blocks only when d_in is a multiple of the block size (it is in real models);
-        # otherwise blocks span rows, and bitsandbytes' CPU kernel reads those differently from its quantizer.
+        # Scale blocks spanning rows (d_in not a multiple of blocksize) read differently in bitsandbytes' CPU kernel.
         return self.shape[1] % self.state.blocksize == 0
 
     def merge_refusal(self) -> str | None:
         return CPU_PACKED_HINT if getattr(self.state, "packing_format_for_cpu", False) else None
 
-    def _check_readable(self) -> None:
+    def _functional(self) -> Any:
         if reason := self.merge_refusal():
             raise ValueError(f"NeuroAda cannot read this 4-bit weight: {reason}")
+        import bitsandbytes.functional
+
+        return bitsandbytes.functional
 
     def _dequantized(self) -> torch.Tensor:
-        import bitsandbytes.functional as bnb_functional
-
-        self._check_readable()
-        return bnb_functional.dequantize_4bit(self.base.weight.data, self.state)
+        return self._functional().dequantize_4bit(self.base.weight.data, self.state)
 
     def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
-        import bitsandbytes.functional as bnb_functional
-
-        self._check_readable()
+        functional, state, d_in = self._functional(), self.state, self.shape[1]
         if self._scales is None:  # 1/blocksize of the layer's size, dequantized once
-            scales = self.state.absmax
-            if self.state.nested:
-                scales = bnb_functional.dequantize_blockwise(scales, self.state.state2) + self.state.offset
+            scales = state.absmax
+            if state.nested:
+                scales = functional.dequantize_blockwise(scales, state.state2) + state.offset
             self._scales = scales.float()
-        blocks_per_row = self.shape[1] // self.state.blocksize
-        rows_state = bnb_functional.QuantState(
-            absmax=self._scales[start * blocks_per_row : stop * blocks_per_row],
-            shape=torch.Size((stop - start, self.shape[1])),
-            code=self.state.code,
-            blocksize=self.state.blocksize,
-            quant_type=self.state.quant_type,
-            dtype=self.state.dtype,
-        )
+        blocks_per_row = d_in // state.blocksize
+        scales = self._scales[start * blocks_per_row : stop * blocks_per_row]
+        same = {name: getattr(state, name) for name in ("code", "blocksize", "quant_type", "dtype")}
+        rows_state = functional.QuantState(absmax=scales, shape=torch.Size((stop - start, d_in)), **same)
         codes = self.base.weight.data.view(torch.uint8).reshape(-1)  # two 4-bit codes per byte
-        return bnb_functional.dequantize_4bit(
-            codes[start * self.shape[1] // 2 : stop * self.shape[1] // 2], rows_state
-        )
+        return functional.dequantize_4bit(codes[start * d_in // 2 : stop * d_in // 2], rows_state)
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.base, {"weight": self.base.weight, "quant_state": self.base.quant_state})
@@ -247,13 +211,13 @@ class Bnb4bit(QuantizedLinear):
     def replace(self, weight: torch.Tensor) -> None:
         import bitsandbytes as bnb
 
-        old = self.base.weight
+        old, state = self.base.weight, self.state
         new = bnb.nn.Params4bit(
-            weight.to(device="cpu", dtype=self.state.dtype),
+            weight.to(device="cpu", dtype=state.dtype),
             requires_grad=False,
-            blocksize=self.state.blocksize,
-            compress_statistics=self.state.nested,
-            quant_type=self.state.quant_type,
+            blocksize=state.blocksize,
+            compress_statistics=state.nested,
+            quant_type=state.quant_type,
             quant_storage=old.quant_storage,
             module=self.base,
         )
@@ -265,19 +229,11 @@ class Bnb8bit(QuantizedLinear):
 
     kind = "bitsandbytes 8-bit"
 
-    def _row_scales(self) -> torch.Tensor:
-        scales = self.base.weight.SCB
-        return scales if scales is not None else self.base.state.SCB
-
     def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
 
-        return bnb_functional.int8_vectorwise_dequant(
-            self.base.weight.data[start:stop], self._row_scales()[start:stop]
-        )
-
-    def _dequantized(self) -> torch.Tensor:
-        return self._dequantized_rows(0, self.shape[0])
+        scales = self.base.weight.SCB if self.base.weight.SCB is not None else self.base.state.SCB
+        return bnb_functional.int8_vectorwise_dequant(self.base.weight.data[start:stop], scales[start:stop])
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.base, {"weight": self.base.weight, "state": copy.copy(self.base.state)})
@@ -285,15 +241,13 @@ class Bnb8bit(QuantizedLinear):
     def replace(self, weight: torch.Tensor) -> None:
         import bitsandbytes as bnb
 
-        old = self.base.weight
         new = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
-        self.base.weight = new.to(old.device)
+        self.base.weight = new.to(self.device)
         self.base.state.reset_grads()
 
 
 class Torchao(QuantizedLinear):
-    """An `nn.Linear` whose weight is a torchao tensor subclass; requantized with the config the model was loaded
-    with (transformers' `TorchAoConfig`), which `requantize_with` holds."""
+    """An `nn.Linear` with a torchao weight; `requantize_with`: the config the model was loaded with, to merge."""
 
     def __init__(self, base: nn.Module, requantize_with: Any = None) -> None:
         super().__init__(base)
@@ -302,7 +256,7 @@ class Torchao(QuantizedLinear):
         self._slices: bool | None = None
 
     def reads_rows(self) -> bool:
-        # Most torchao tensors slice along rows (and dequantize the slice alone); find out once per layer.
+        # Most torchao tensors slice along rows (and dequantize the slice alone); found out once per layer.
         if self._slices is None:
             try:
                 self.base.weight[:1].dequantize()
@@ -319,9 +273,6 @@ class Torchao(QuantizedLinear):
             return self.base.weight.dequantize()
         except NotImplementedError as error:
             raise TypeError(f"NeuroAda cannot read a {self.kind} weight: it cannot be dequantized.") from error
-
-    def snapshot(self) -> Snapshot:
-        return Snapshot(self.base, {"weight": self.base.weight})
 
     def merge_refusal(self) -> str | None:
         if self.requantize_with is None:
@@ -348,10 +299,7 @@ class Torchao(QuantizedLinear):
 
 
 def quantized_linear(base: nn.Module, requantize_with: Any = None) -> QuantizedLinear | None:
-    """The supported quantized view of `base`, or None for a plain floating-point layer.
-
-    `requantize_with`: the torchao config to quantize a merged torchao weight with.
-    """
+    """The quantized view of `base` (None: plain float); `requantize_with`: the torchao config for merged weights."""
     if _package(base) == "bitsandbytes":
         return Bnb4bit(base) if type(base).__name__ in _BNB_4BIT else Bnb8bit(base)
     if _is_torchao(getattr(base, "weight", None)):
@@ -359,22 +307,9 @@ def quantized_linear(base: nn.Module, requantize_with: Any = None) -> QuantizedL
     return None
 
 
-def not_yet_quantized(base: nn.Module) -> bool:
-    """Whether a bitsandbytes layer still holds its float weight (bitsandbytes quantizes on `.to(device)`)."""
-    weight = base.weight
-    if type(base).__name__ in _BNB_4BIT:
-        return not weight.bnb_quantized or (weight.quant_state is None and base.quant_state is None)
-    return weight.dtype != torch.int8
-
-
 def keep_standard_layout(base: nn.Module) -> None:
-    """Stop bitsandbytes from packing this 4-bit layer for AVX512-BF16 CPU inference.
-
-    bitsandbytes 0.50 packs a `Linear4bit` weight on its first eval-mode forward without gradients on such CPUs and
-    unpacks it on `state_dict()` (which every save calls) only approximately: scales come back rounded to bfloat16,
-    and without double quantization in the wrong order, silently changing the model. NeuroAda keeps the layers it
-    adapts in bitsandbytes' standard layout (the general dequantize-and-matmul forward) instead.
-    """
+    """Stop bitsandbytes packing this 4-bit layer for AVX512-BF16 CPU inference (on its first eval forward without
+    gradients): every save's `state_dict()` unpacks it only approximately, silently changing the model."""
     if hasattr(base, "support_avx512bf16_for_cpu"):
         base.support_avx512bf16_for_cpu = False
 

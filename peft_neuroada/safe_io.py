@@ -1,15 +1,9 @@
 """NeuroAda adapter files that survive interrupted saves and explain damage on load.
 
-peft writes adapter weights with safetensors' `save_file` straight onto the final path and reads them with
-`load_file`, so a save interrupted mid-write destroys the previous adapter, and a damaged file fails with a bare
-parser message. peft then writes the config, so a save interrupted between the two files pairs new weights with the
-old config. Importing `peft_neuroada` routes both of peft's calls through the wrappers below, which keep the folder's
-consistent pair until the config commits the new one (atomic_file.py), narrowly:
-
-* only NeuroAda adapters are affected: other methods' tensors go to safetensors' own `save_file` unchanged, and their
-  load errors propagate unchanged;
-* `install` replaces a function only where peft still holds safetensors' own one (`peft.peft_model.safe_save_file`,
-  `peft.utils.save_and_load.safe_load_file`); if peft's internals move, it changes nothing.
+peft writes the weights straight onto the final path, then the config: an interrupted save destroys the previous
+adapter or pairs new weights with the old config, and a damaged file fails with a bare parser message. peft's calls
+are routed here (`peft_compat.route_safetensors_calls`); these keep the folder's consistent pair until the config
+commits the new one (atomic_file.py), for NeuroAda adapters only: other methods' files pass through unchanged.
 """
 
 from __future__ import annotations
@@ -19,8 +13,6 @@ import os
 import warnings
 from pathlib import Path
 
-import peft.peft_model
-import peft.utils.save_and_load
 import safetensors.torch
 from peft.utils import CONFIG_NAME
 from safetensors import SafetensorError
@@ -74,11 +66,3 @@ def _is_neuroada_adapter(directory: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and config.get("peft_type") == METHOD_NAME.upper()
-
-
-def install() -> None:
-    """Route peft's adapter-file calls through `save_file` / `load_file` where peft still holds safetensors' own."""
-    if getattr(peft.peft_model, "safe_save_file", None) is safetensors.torch.save_file:
-        peft.peft_model.safe_save_file = save_file
-    if getattr(peft.utils.save_and_load, "safe_load_file", None) is safetensors.torch.load_file:
-        peft.utils.save_and_load.safe_load_file = load_file

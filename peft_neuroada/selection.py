@@ -1,9 +1,5 @@
-"""Which inputs of each neuron (and, for coverage ablations, which neurons) get a trainable delta.
-
-Selection runs once, at injection, on the frozen weight. It works on blocks of rows so the transient score matrix
-never exceeds a fixed number of elements, and it returns only a (d_out, k) index matrix: no dense mask is ever built.
-Random choices come from a generator seeded per layer, so every process and every reload picks the same indices.
-"""
+"""Which inputs of each neuron (and which neurons, for coverage ablations) get a delta: read in blocks of rows, kept as
+(d_out, k) indices, never a dense mask, random choices seeded per layer so every process and reload agrees."""
 
 from __future__ import annotations
 
@@ -14,14 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
-
-
-def rows_per_block(d_in: int) -> int:
-    """Rows of a (d_out, d_in) weight read at once, so no transient block (scores, dequantized values) exceeds a fixed
-    number of elements."""
-    return max(1, _MAX_BLOCK_ELEMENTS // d_in)
-
-
+# A dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (layers pack it: index_storage.py).
+INDEX_DTYPE = torch.int32
 # Per strategy: the score whose k largest entries per row are selected.
 _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "magnitude": lambda block, generator: block.abs(),
@@ -31,9 +21,9 @@ _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
 STRATEGIES = (*_SCORES, "gradient")
 
 
-# A dtype every collective backend (gloo, NCCL) can broadcast, since DDP syncs buffers; layers store the columns
-# more compactly (see index_storage.py).
-INDEX_DTYPE = torch.int32
+def rows_per_block(d_in: int) -> int:
+    """Rows of a (d_out, d_in) weight read at once, bounding every transient block (scores, dequantized values)."""
+    return max(1, _MAX_BLOCK_ELEMENTS // d_in)
 
 
 def layer_generator(seed: int, layer_name: str) -> torch.Generator:
@@ -42,25 +32,20 @@ def layer_generator(seed: int, layer_name: str) -> torch.Generator:
 
 
 def _top_k_block(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k column indices per row; among equal scores the lower column index wins."""
+    """Top-k column indices per row; among equal scores the lower column index wins (topk alone is not stable)."""
     indices = score.topk(k, dim=1).indices
     kth_largest = score.gather(1, indices[:, -1:])
     ambiguous_rows = ((score >= kth_largest).sum(dim=1) > k).nonzero().squeeze(1)
     if ambiguous_rows.numel():
-        stable_order = score[ambiguous_rows].sort(dim=1, descending=True, stable=True).indices
-        indices[ambiguous_rows] = stable_order[:, :k]
+        indices[ambiguous_rows] = score[ambiguous_rows].sort(dim=1, descending=True, stable=True).indices[:, :k]
     return indices
 
 
 def select_inputs(
     weight: torch.Tensor, k: int, strategy: str = "magnitude", generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending.
-
-    `magnitude` takes the largest |w| (the paper's default), `reverse` the smallest, `random` a uniform choice.
-    For `gradient`, pass the accumulated gradient magnitudes as `weight` with strategy `magnitude`. A quantized layer
-    comes as a `quantized.QuantizedLinear`, whose blocks of rows read as dequantized float32 values.
-    """
+    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending. `gradient` selection passes the
+    gradients' magnitudes with `magnitude`; a quantized layer comes as a `QuantizedLinear`, read in float32 blocks."""
     score_of = _SCORES[strategy]
     if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows
         weight = weight.full_tensor()
@@ -76,14 +61,13 @@ def select_inputs(
 
 
 def tuned_neuron_count(d_out: int, fraction: float) -> int:
-    """How many of a layer's `d_out` neurons get a bypass: all but int((1 - fraction) * d_out), as the official
-    ablation (`certainCell`) counts the neurons it freezes, and at least one."""
+    """How many of `d_out` neurons get a bypass: all but int((1 - fraction) * d_out), as the official ablation
+    (`certainCell`) counts the neurons it freezes, and at least one."""
     return d_out if fraction >= 1.0 else max(1, d_out - int((1 - fraction) * d_out))
 
 
 def select_neurons(d_out: int, fraction: float, generator: torch.Generator) -> torch.Tensor | None:
-    """The rows that get a bypass when only `fraction` of the neurons are tuned (None: all of them), drawn uniformly
-    (`tuned_neuron_count` of them)."""
+    """The rows, drawn uniformly, that get a bypass when only `fraction` of the neurons are tuned (None: all)."""
     if fraction >= 1.0:
         return None
     rows = torch.randperm(d_out, generator=generator)[: tuned_neuron_count(d_out, fraction)].sort().values

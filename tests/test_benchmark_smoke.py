@@ -169,7 +169,7 @@ def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Pa
     assert results["neuroada-k1"]["trainable_params"] > 0 and results["lora-budget"]["trainable_params"] > 0
 
 
-@pytest.mark.parametrize(("quantize", "neuroada_op"), [(None, "InplaceMergedLinear"), ("nf4", "SparseBypass")])
+@pytest.mark.parametrize(("quantize", "neuroada_op"), [(None, "LinearWithDeltas"), ("nf4", "SparseBypass")])
 def test_the_step_profile_names_neuroadas_own_ops(tmp_path: Path, quantize, neuroada_op) -> None:
     """A float base takes the in-place path, a quantized one the bypass beside the base layer's own forward."""
     command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "step_profile.py"), "--model", "tiny"]

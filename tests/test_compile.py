@@ -1,6 +1,6 @@
 """`torch.compile` of a NeuroAda model trains exactly like eager mode on CPU.
 
-While tracing, `FrozenLinear.refusal` refuses the in-place path, so the compiled graph uses the sparse bypass and
+While tracing, `FrozenLinear.path` takes the general path, so the compiled graph uses the sparse bypass and
 never writes into the frozen weights. The Llama test uses backend="aot_eager" (dynamo + AOTAutograd, no code
 generation; ~15 s here): inductor needs over a minute to compile even the tiny Llama on two shared cores. The real
 MiniLM test compiles each encoder layer on its own (~10 s; the whole model takes over a minute). Inductor itself is

@@ -102,7 +102,7 @@ def weight_unchanged(layer: Linear) -> Callable[[], None]:
 @pytest.mark.parametrize("error", FAILURES, ids=lambda e: e.__name__)
 def test_a_failure_at_any_step_of_the_inplace_forward_restores_the_weight(error, make_layer):
     layer = make_layer()
-    assert layer.frozen().refusal() is None
+    assert layer.frozen().path().reason is None
     x = torch.randn(4, 12)
     check = weight_unchanged(layer)
     with torch.no_grad():

@@ -82,14 +82,13 @@ def dense_reference(layer: Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def path_taken(layer: Linear) -> str:
-    frozen = layer.frozen()
-    return "in place" if frozen.refusal() is None else "direct" if frozen.direct_refusal() is None else "general"
+    return layer.frozen().path().name
 
 
 @pytest.mark.parametrize(("situation", "refusal", "path"), SITUATIONS.values(), ids=SITUATIONS.keys())
 def test_the_fast_path_runs_only_where_nothing_refuses_it(situation, refusal, path):
     layer = make_layer(situation)
-    reason = layer.frozen().refusal()
+    reason = layer.frozen().path().reason
     assert reason == refusal if refusal is None else refusal in reason
     assert path_taken(layer) == path
 
@@ -148,7 +147,7 @@ def test_a_model_built_in_inference_mode_generates_merges_and_unmerges():
     model = get_peft_model(frozen_base, NeuroAdaConfig(k=2, init_weights=False))
     reference = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
     reference.load_state_dict(model.state_dict())
-    assert all("inference tensor" in layer.frozen().refusal() for layer in neuroada_layers(model))
+    assert all("inference tensor" in layer.frozen().path().reason for layer in neuroada_layers(model))
     tokens = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         generated = model.generate(input_ids=tokens, max_new_tokens=5, do_sample=False, pad_token_id=0)

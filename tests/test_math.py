@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from peft_neuroada import NeuroAdaConfig, functional
+from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layer import Linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -122,7 +122,7 @@ def test_each_call_computes_with_the_base_weight_the_layer_holds_at_that_call(ch
     layer(x)
     change(layer)
     torch.testing.assert_close(layer(x), dense_reference(layer, x)[0])
-    assert (layer.frozen().refusal() is None) == writable
+    assert (layer.frozen().path().reason is None) == writable
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -207,7 +207,7 @@ def test_the_column_positions_kept_for_backward_take_no_more_memory_than_the_lay
     layer = make_layer(k=1, d_in=64, d_out=8)
     layer(inputs(layer, tokens=3)).sum().backward()
     cols = layer.placement("default").cols
-    _, positions_among_used = functional.COLUMN_COMPACTIONS.get(cols)
+    _, positions_among_used = layer.placement("default").columns_read()
     assert positions_among_used.nbytes <= cols.nbytes
 
 

@@ -17,7 +17,7 @@ import safetensors.torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import SafetensorError
 
-from peft_neuroada import NeuroAdaConfig, safe_io
+from peft_neuroada import NeuroAdaConfig
 from tests.conftest import tiny_llama
 
 PACKAGE = Path(__file__).resolve().parents[1] / "peft_neuroada"
@@ -51,20 +51,6 @@ def test_other_methods_see_their_own_load_errors(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(SafetensorError):
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
-
-
-def test_installing_changes_nothing_where_peft_internals_have_moved(monkeypatch):
-    def moved_save(*args, **kwargs):
-        raise AssertionError("never called")
-
-    def moved_load(*args, **kwargs):
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(peft.peft_model, "safe_save_file", moved_save)
-    monkeypatch.setattr(peft.utils.save_and_load, "safe_load_file", moved_load)
-    safe_io.install()
-    assert peft.peft_model.safe_save_file is moved_save
-    assert peft.utils.save_and_load.safe_load_file is moved_load
 
 
 def module_name(path: Path) -> str:

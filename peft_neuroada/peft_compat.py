@@ -1,0 +1,156 @@
+"""Workarounds of generic peft behaviour that NeuroAda's guarantees need, in one place.
+
+Each names the peft behaviour it works around. tests/test_peft_compat.py holds one spec per workaround that runs
+peft's own behaviour and fails once peft changes it: the workaround can be dropped then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import peft.peft_model
+import peft.utils.save_and_load
+import safetensors.torch
+import torch
+from peft.tuners.tuners_utils import BaseTuner, onload_layer
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+from . import safe_io
+from .layer import NeuroAdaLayer
+from .loading import SAVED_TENSORS, check_layer_state
+
+# Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: part of module names, not of
+# state-dict keys (the wrappers' state-dict hooks drop them).
+WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def without_wrapper_names(name: str) -> str:
+    """A module's name as state-dict keys give it."""
+    for wrapper in WRAPPER_NAMES:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def route_safetensors_calls() -> None:
+    """peft writes adapter weights with safetensors' `save_file` straight onto the final path, then the config, and
+    reads with `load_file`: route both through `safe_io` (atomic, NeuroAda files only), where peft still holds
+    safetensors' own functions; if peft's internals move, nothing changes."""
+    if getattr(peft.peft_model, "safe_save_file", None) is safetensors.torch.save_file:
+        peft.peft_model.safe_save_file = safe_io.save_file
+    if getattr(peft.utils.save_and_load, "safe_load_file", None) is safetensors.torch.load_file:
+        peft.utils.save_and_load.safe_load_file = safe_io.load_file
+
+
+class PeftCompat(BaseTuner):
+    """The BaseTuner methods NeuroAdaModel overrides for generic peft behaviour (mixed in before BaseTuner)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """peft checks adapter tensors only in `set_peft_model_state_dict`; resumes (Trainer, accelerate, DeepSpeed,
+        FSDP) call `load_state_dict` directly. A load pre-hook sees both."""
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_check_before_load)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """peft runs `_pre_injection_hook` before the first adapter only; later ones (`add_adapter`, `load_adapter`)
+        are checked the same way, before any layer changes."""
+        if any(isinstance(module, NeuroAdaLayer) for module in model.modules()):
+            self._pre_injection_hook(model, self.peft_config[adapter_name], adapter_name)
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        """peft trains the biases a config names even for an adapter loaded for inference; nothing of one trains."""
+        super()._mark_only_adapters_as_trainable(model)
+        for name in self.active_adapters:
+            config = self.peft_config[name]
+            if config.bias != "none" and config.inference_mode:
+                for bias in trained_biases(model, config.bias):
+                    bias.requires_grad = False
+
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """peft merges layer after layer and leaves the model half merged when one fails. All or nothing here: every
+        layer is checked first, and the layers merged before a failing one are unmerged again."""
+        self._check_merge_allowed()
+        layers = [module for module in self.model.modules() if isinstance(module, NeuroAdaLayer)]
+        for layer in layers:
+            if any(adapter in layer.neuroada_delta for adapter in adapter_names or layer.active_adapters):
+                layer.check_mergeable()
+        merged = []
+        try:
+            for layer in layers:
+                with onload_layer(layer):
+                    before = len(layer.merged_adapters)
+                    layer.merge(adapter_names=adapter_names, safe_merge=safe_merge)
+                merged.append((layer, before))
+        except BaseException:
+            for layer, before in reversed(merged):
+                with onload_layer(layer):
+                    layer.unmerge_to(before)
+            raise
+
+    def unmerge_adapter(self) -> None:
+        """All or nothing, as `merge_adapter`."""
+        unmerged = []
+        try:
+            for module in self.model.modules():
+                if isinstance(module, NeuroAdaLayer) and module.merged:
+                    with onload_layer(module):
+                        names = list(module.merged_adapters)
+                        module.unmerge()
+                    unmerged.append((module, names))
+        except BaseException:
+            for layer, names in reversed(unmerged):
+                with onload_layer(layer):
+                    layer.merge(adapter_names=names)
+            raise
+
+    def _unload_and_optionally_merge(
+        self,
+        merge: bool = True,
+        progressbar: bool = False,
+        safe_merge: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> nn.Module:
+        """peft merges while it unloads, layer by layer: merge everything first (all or nothing), then unload."""
+        if merge:
+            self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        """Unloading a `modules_to_save` (or trainable-tokens) wrapper, peft gives the module the wrapper's `weight`,
+        which fails for a head without one (RoBERTa's classification head, the paper's GLUE runs): the module only
+        goes back in place."""
+        if isinstance(child, AuxiliaryTrainingWrapper):
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """peft maps layers to keys by module name and drops FSDP1's wrapper name only where it leads the name;
+        auto-wrapping puts it in the middle (`layers.0._fsdp_wrapped_module.self_attn.q_proj`), and peft would save
+        an empty adapter. The entries of wrapped layers are added."""
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        for name, module in model.named_modules():
+            key_prefix = without_wrapper_names(name)
+            if key_prefix != name and isinstance(module, NeuroAdaLayer):
+                for attribute in SAVED_TENSORS:
+                    key = f"{key_prefix}.{attribute}.{adapter_name}"
+                    if key in state_dict:
+                        selected[key] = state_dict[key]
+        return selected
+
+
+def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
+    """The biases a config's `bias` option trains, chosen as peft's BaseTuner chooses them."""
+    if bias == "all":
+        return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
+    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
+
+
+def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+    for name, layer in model.named_modules():
+        if isinstance(layer, NeuroAdaLayer):
+            check_layer_state(layer, f"{prefix}{name}", state_dict)
