@@ -153,6 +153,15 @@ def test_threaded_inference_benchmark_reports_every_variant_and_thread_count() -
     assert all(float(cell) > 0 for row in rows for cell in row[2:4])
 
 
+def test_visit_overhead_benchmark_times_every_variant_with_and_without_gradients() -> None:
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "visit_overhead.py"), "--calls", "3", "--rounds", "1"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row[0].strip() for row in rows] == ["frozen nn.Linear", "neuroada k=1", "neuroada k=20", "lora r=1"]
+    assert all(float(cell) > 0 for row in rows for cell in row[1:])
+
+
 def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Path) -> None:
     report = tmp_path / "nf4.json"
     command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1", "--quantize", "nf4"]
