@@ -3,6 +3,8 @@ the single-threaded result bit for bit, and the frozen weights are bit-identical
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 from collections.abc import Callable
 
@@ -174,3 +176,15 @@ def test_each_visit_holds_the_weight_lock_from_patch_to_restore(model, second_re
         first.join()
         other.join()
     assert entered_second.is_set()
+
+
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))])
+def test_a_copy_of_a_model_gets_its_own_weight_locks_and_keeps_nothing_of_the_originals_visits(duplicate):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1, init_weights=False))
+    tokens = torch.randint(0, 128, (2, 5))
+    model(tokens).logits.sum().backward()  # the layers now hold placements, prepared patches and frozen views
+    copied = duplicate(model)
+    for layer, twin in zip(neuroada_layers(model), neuroada_layers(copied), strict=True):
+        assert twin._runtime.lock is not layer._runtime.lock
+        assert (twin._runtime.placements, twin._runtime.patches, twin._runtime.frozen) == ({}, {}, None)
+    torch.testing.assert_close(copied(tokens).logits, model(tokens).logits, rtol=0, atol=0)
