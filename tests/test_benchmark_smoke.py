@@ -174,6 +174,19 @@ def test_adapter_switch_benchmark_reports_every_method_and_neuroada_leaves_the_w
     assert all(float(rows[name][2]) > 0 and float(rows[name][3]) == 0 for name in ("neuroada k=1", "neuroada k=20"))
 
 
+def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) -> None:
+    """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
+    completed = subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
+    assert "torch" in (tmp_path / "gpu.txt").read_text()
+    results = json.loads((tmp_path / "train_cost-tiny.json").read_text())["results"]
+    variants = ["floor", "neuroada-k1", "neuroada-k20", "lora-budget", "shira-budget", "supertuning-budget", "full"]
+    assert [result["variant"] for result in results] == variants
+    assert all(result["error"] is None for result in results)
+
+
 def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Path) -> None:
     report = tmp_path / "nf4.json"
     command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1", "--quantize", "nf4"]

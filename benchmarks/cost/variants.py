@@ -44,6 +44,8 @@ RANDOM_CONFIGS = {
     "smollm2-random": llama_config(49152, 576, 1536, 30, 9, 3, 8192, tie_word_embeddings=True),
     # ~0.55B parameters: the weights (2.2 GB) dominate the activations of a 1 x 256 batch.
     "large-random": llama_config(32000, 1536, 4096, 16, 12, 4, 1024),
+    # Llama-3.2-1B's shape (1.24B parameters), for GPU figures.
+    "llama-1b-random": llama_config(128256, 2048, 8192, 16, 32, 8, 2048, tie_word_embeddings=True),
     "tiny": llama_config(256, 64, 128, 2, 4, 2, 128),
 }
 

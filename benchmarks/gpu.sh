@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The project's GPU figures in one run that fits in 8 minutes on one H100: run it whenever a GPU machine is lent,
+# and put its tables in docs/performance.md with the machine named (OUT_DIR/gpu.txt).
+#
+#   benchmarks/gpu.sh OUT_DIR            # on a CUDA machine
+#   benchmarks/gpu.sh --dry-run OUT_DIR  # anywhere: the same runs on the tiny model on the CPU (the test suite's)
+#
+# Writes OUT_DIR/gpu.txt (the GPU and software), and per model OUT_DIR/train_cost-MODEL.md and .json: step time and
+# peak memory of the frozen floor, NeuroAda k=1 and k=20, LoRA at k=20's budget, SHiRA, Super-Tuning and full
+# fine-tuning, in bf16. Each model's run has a time limit, so one that hangs cannot take the others' time.
+set -euo pipefail
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+variants=(floor neuroada-k1 neuroada-k20 lora-budget shira-budget supertuning-budget full)
+if ((dry_run)); then
+  device=cpu dtype=float32 models=(tiny) limits=(300) options=(--steps 1 --warmup 1 --infer-steps 1)
+else
+  device=cuda dtype=bfloat16 models=(llama-1b-random smollm2) limits=(300 120) options=()
+  nvidia-smi > "$out/gpu.txt" || true
+fi
+python -c "import platform, torch; print(platform.platform(), 'torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" >> "$out/gpu.txt"
+for i in "${!models[@]}"; do
+  model=${models[$i]}
+  timeout "${limits[$i]}" python "$here/train_cost.py" --model "$model" --device "$device" --dtype "$dtype" \
+    --variants "${variants[@]}" --rounds 1 "${options[@]}" --json "$out/train_cost-$model.json" \
+    > "$out/train_cost-$model.md" 2> "$out/train_cost-$model.log" || echo "train_cost on $model failed or ran out of time: $out/train_cost-$model.log"
+done
