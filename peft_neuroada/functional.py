@@ -13,7 +13,7 @@
 **In place** adds the deltas into the k selected entries of each row for one matmul and writes the originals back
 bit-exactly: forward and input gradient cost one dense matmul each, like a frozen layer. **Direct** adds the sparse
 products into `F.linear`'s output and input gradient; **general** runs the base layer's own forward plus the bypass.
-Only the in-place path writes the weight; every path reads it under the layer's `WeightLock`. The sparse products run
+Only the in-place path writes the weight, and it and the direct path hold the layer's `WeightLock`. The products run
 on `kernels.choose_backend`'s backend; the in-place patch of one adapter on a CPU weight is the C `entry_patch`, else
 torch's gather/scatter_. Backward keeps the input (or just the columns the deltas read): the delta gradient is the
 dense weight gradient sampled at the selected positions (`kernels.sampled_grad`), never formed.
