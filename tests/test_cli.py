@@ -9,11 +9,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoTokenizer, set_seed
 
+from peft_neuroada.train import training
 from peft_neuroada.train.cli import PROTOCOL_NAMES, TRAINING_EXTRA, main
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.protocols import PROTOCOLS
+from peft_neuroada.train.recipes import load_recipe
 from tests.conftest import save_tiny_llama
 from tests.shared_data import shared_datasets
 
@@ -108,6 +111,27 @@ def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama
     assert main(["eval", str(recipe), "--base", "--output", str(tmp_path / "base")]) == 0
     assert json.loads((tmp_path / "base" / "results.json").read_text())["method"] == "base model"
     assert (tmp_path / "base" / "results.csv").read_text().splitlines()[-1].startswith("average,")
+
+
+class ModelLoaded(Exception):
+    pass
+
+
+def test_training_seeds_before_it_loads_the_model_as_the_official_run_does(tiny_llama_dir, tmp_path, monkeypatch):
+    """A pad row the tokenizer adds (Llama-3) is drawn when the model loads: from the recipe's seed, as officially."""
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama_dir, tmp_path / "run", "{name: neuroada, k: 1}"))
+    drawn = []
+
+    def load_base_model(*args, **kwargs):
+        drawn.append(torch.rand(4))
+        raise ModelLoaded
+
+    monkeypatch.setattr(training, "load_base_model", load_base_model)
+    torch.manual_seed(recipe.seed + 1)  # whatever state the process was in
+    with pytest.raises(ModelLoaded):
+        training.fine_tune(recipe)
+    set_seed(recipe.seed)
+    assert torch.equal(drawn[0], torch.rand(4))
 
 
 @pytest.mark.parametrize(

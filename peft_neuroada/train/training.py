@@ -145,7 +145,9 @@ def write_train_log(recipe: Recipe, outcome: TrainingOutcome, details: dict) -> 
 
 def fine_tune(recipe: Recipe) -> TrainingOutcome:
     """Train the recipe's adapter on its data, tokenised as its protocol does, and save it (with the tokenizer) to
-    `recipe.adapter_dir`."""
+    `recipe.adapter_dir`. Seeded first, as the official run (`set_seed(seed)` before its data and model, train_our.py
+    L506): a pad row the tokenizer adds to the embeddings (Llama-3) is drawn from that state."""
+    set_seed(recipe.seed)
     base, tokenizer = load_base_model(recipe.model, recipe.dtype, recipe.protocol, recipe.data.max_length)
     examples = load_split(recipe.data.dir, recipe.data.train, "train", recipe.data.train_size, recipe.data.seed)
     dataset = get_protocol(recipe.protocol).training_dataset(examples, tokenizer, recipe.data.max_length)
