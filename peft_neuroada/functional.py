@@ -277,6 +277,17 @@ class _Entries(NamedTuple):
             return functools.partial(self.target.scatter_, 1, self.index, values)
         return functools.partial(self.target.index_put_, (self.index,), values)
 
+    def parts(self, placements: Sequence[Placement]) -> list[_Entries]:
+        """The entries of each of the `placements` these were located for (`_locate` joins them in order)."""
+        if self.row_wise:
+            indices = self.index.split([p.cols.shape[1] for p in placements], dim=1)
+        else:
+            indices = [
+                part.view(p.cols.shape)
+                for part, p in zip(self.index.split([p.cols.numel() for p in placements]), placements, strict=True)
+            ]
+        return [_Entries(self.target, index, self.row_wise) for index in indices]
+
 
 def _locate(weight: torch.Tensor, placements: Sequence[Placement]) -> _Entries:
     """The entries at all `placements` (they may repeat across adapters), through `weight.data`: the version counter
@@ -321,8 +332,7 @@ def _with_deltas_added(frozen: FrozenLinear, placements: Sequence[Placement], de
         def patch() -> None:
             if len(placements) == 1:
                 return everything.writer(originals + deltas[0].detach().to(originals.dtype))()
-            for placement, delta in zip(placements, deltas, strict=True):
-                entries = _locate(weight, [placement])
+            for entries, delta in zip(everything.parts(placements), deltas, strict=True):
                 entries.writer(entries.read() + delta.detach().to(originals.dtype))()
 
     try:
@@ -412,8 +422,11 @@ class LinearWithDeltas(torch.autograd.Function):
                 return grad_out @ frozen.weight.to(grad_out.dtype)
 
             with frozen.locked():
-                grad_x = _with_deltas_added(frozen, ctx.placements, deltas, times_weight) if ctx.inplace else None
-                grad_x = (times_weight() if grad_x is None else grad_x).to(ctx.input_dtype)
+                if ctx.inplace:
+                    grad_x = _with_deltas_added(frozen, ctx.placements, deltas, times_weight)
+                else:
+                    grad_x = times_weight()
+            grad_x = grad_x.to(ctx.input_dtype)
             if not ctx.inplace:
                 grad_x2d, d_in = _flatten(grad_x), grad_x.shape[-1]
                 for placement, delta in zip(ctx.placements, deltas, strict=True):

@@ -176,9 +176,10 @@ class NeuroAdaLayer(BaseTunerLayer):
                 f"NeuroAda cannot select inputs for layer '{self.layer_name}': {reason}. {LOAD_WEIGHTS_HINT}"
             )
         neurons, dtype = self._select(adapter_name, config, k)
-        dtype = (
-            DTYPES[config.delta_dtype] if config.delta_dtype else dtype if dtype.is_floating_point else torch.float32
-        )
+        if config.delta_dtype is not None:
+            dtype = DTYPES[config.delta_dtype]
+        elif not dtype.is_floating_point:
+            dtype = torch.float32
         self.init_weights[adapter_name] = config.init_weights
         self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
         self.inplace_forward[adapter_name] = config.inplace_forward

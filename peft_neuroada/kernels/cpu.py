@@ -59,8 +59,15 @@ _STATUS = {
 RECORD_MAX_BYTES = 256  # a valid record is shorter: a longer file is garbage, not read further
 
 _lock = threading.Lock()
-# A forked child has only the forking thread: a build that another thread ran at the fork never finishes there.
-os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
+
+
+def _new_lock_in_child() -> None:
+    """A forked child has only the forking thread: a build that another thread ran at the fork never finishes there."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 _UNLOADED = object()
 _library: ctypes.CDLL | None | object = _UNLOADED
 
