@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import RobertaConfig, RobertaForSequenceClassification
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.train.glue import GLUE_TASKS
 from peft_neuroada.train.recipes import MethodSpec, load_recipe
+from peft_neuroada.train.training import training_autocast, use_bf16
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PAPER_MODELS = ("llama-7b", "llama-13b", "llama2-7b", "llama3-8b")
@@ -35,6 +37,19 @@ LOREFT_ROBERTA_BASE = {
     "rte": (9e-4, 0.0, 60),
     "stsb": (6e-4, 0.03, 60),
 }
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "paper").glob("*.yaml")), ids=lambda p: p.stem)
+def test_paper_recipes_train_and_score_in_pure_bf16_without_autocast(path, monkeypatch, tmp_path):
+    """The official run loads bf16 weights and then asks `dtype == "bfloat16"` of what is by then torch.bfloat16, so
+    its TrainingArguments get bf16=None (train_our.py L516, L577): no autocast in training or in the final test, even
+    on a GPU with bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    recipe = load_recipe(path)
+    assert recipe.dtype == "bfloat16"
+    assert not use_bf16(recipe.training.bf16)
+    assert isinstance(training_autocast(recipe, torch.nn.Linear(1, 1)), contextlib.nullcontext)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.stem)
