@@ -176,6 +176,7 @@ def test_adapter_switch_benchmark_reports_every_method_and_neuroada_leaves_the_w
 
 def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) -> None:
     """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
+    shared_datasets()  # the study's scale-up trains on commonsense_15k
     completed = subprocess.run(
         ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=600
     )
@@ -185,6 +186,8 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     variants = ["floor", "neuroada-k1", "neuroada-k20", "lora-budget", "shira-budget", "supertuning-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
+    study = json.loads((tmp_path / "study-cuda.json").read_text())
+    assert study["settings"]["task"] == "commonsense" and {run["phase"] for run in study["runs"]} == {"sweep", "test"}
 
 
 def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Path) -> None:
@@ -246,3 +249,55 @@ def test_nlu_benchmark_reports_every_method_over_seeds_on_real_boolq_questions(t
     report = json.loads((tmp_path / "r").read_text())
     assert report["sizes"] == {"dev": 24, "test": 24, "train": 24}
     assert all(len(result["runs"]) == 2 for result in report["results"].values())
+
+
+def _study(*arguments: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "study.py"), "--threads", "1", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_the_study_records_every_family_and_resumes_without_training_again(tmp_path: Path) -> None:
+    results = tmp_path / "study.json"
+    completed = _study("--dry-run", "--results", str(results))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    runs = json.loads(results.read_text())["runs"]
+    for family in ("neuroada", "lora", "shira", "supertuning", "full"):
+        swept = [run for run in runs if run["family"] == family and run["phase"] == "sweep"]
+        tested = [run for run in runs if run["family"] == family and run["phase"] == "test"]
+        assert len(swept) >= 3 and len({run["learning_rate"] for run in swept}) == len(swept)
+        assert tested and all(run["trainable"] > 0 and 0 <= run["accuracy"] <= 1 for run in tested)
+        assert {run["learning_rate"] for run in tested} <= {run["learning_rate"] for run in swept}
+    again = _study("--dry-run", "--results", str(results))
+    assert again.returncode == 0 and "sweep " not in again.stdout and "test " not in again.stdout, again.stdout
+    assert json.loads(results.read_text())["runs"] == runs
+    figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--results", str(results), "--out", str(tmp_path)]
+    drawn = subprocess.run(figures, capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0 and (tmp_path / "accuracy.png").stat().st_size > 0, drawn.stderr[-3000:]
+    assert all(f"| {family} |" in drawn.stdout for family in ("neuroada", "lora", "full"))
+
+
+def test_the_study_scale_up_trains_on_commonsense_and_scores_arc_easy_and_boolq(tmp_path: Path) -> None:
+    """`--device cuda` is the paper-protocol scale-up; its dry run is the same study on the tiny model, on the CPU."""
+    shared_datasets()
+    results = tmp_path / "study.json"
+    completed = _study("--dry-run", "--device", "cuda", "--families", "neuroada", "--results", str(results))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    saved = json.loads(results.read_text())
+    assert (saved["settings"]["task"], saved["settings"]["device"]) == ("commonsense", "cpu")
+    questions = {run["phase"]: run["questions"] for run in saved["runs"]}
+    assert questions == {"sweep": 4, "test": 8}, "4 dev examples; 4 of ARC-Easy and 4 of boolq"
+
+
+def test_the_study_refuses_to_mix_runs_made_with_other_settings(tmp_path: Path) -> None:
+    results = tmp_path / "study.json"
+    results.write_text(json.dumps({"settings": {"model": "tiny", "steps": 1}, "runs": []}))
+    completed = _study("--dry-run", "--results", str(results))
+    assert completed.returncode != 0 and "other settings" in completed.stderr
+    assert json.loads(results.read_text())["runs"] == []
+
+
+def test_the_committed_study_data_draws_the_documented_figures(tmp_path: Path) -> None:
+    figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--out", str(tmp_path)]
+    drawn = subprocess.run(figures, capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert {path.name for path in tmp_path.glob("*.png")} == {"accuracy.png", "cost.png"}
