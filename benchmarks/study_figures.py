@@ -21,10 +21,12 @@ STUDY = common.REPO_ROOT / "docs" / "study"
 LABELS = {
     "neuroada": "NeuroAda (k = 1, 2, 5, 20)",
     "lora": "LoRA (r = 1, 2, 4, 8, 16)",
-    "shira": "SHiRA (at NeuroAda's budgets)",
-    "supertuning": "Super-Tuning (at NeuroAda's budgets)",
+    "shira": "SHiRA (r = 1, 3, 10: nearest NeuroAda's budgets)",
+    "supertuning": "Super-Tuning (NeuroAda's k = 1, 2, 5, 20 budgets)",
     "full": "full fine-tuning",
 }
+
+TASKS = {"second_largest": "second largest of four numbers", "commonsense": "commonsense_15k (ARC-Easy, boolq)"}
 
 
 def chosen_rate(runs: list[dict], family: str) -> float:
@@ -62,7 +64,7 @@ def accuracy_figure(table: dict, settings: dict, path: Path) -> None:
     axes.set_xlabel("trainable parameters (log scale)")
     axes.set_ylabel("test accuracy (%)")
     axes.set_title(
-        f"SmolLM2-135M, three-digit addition, {settings['steps']} steps of {settings['batch']}: "
+        f"SmolLM2-135M, {TASKS[settings['task']]}, {settings['steps']} steps of {settings['batch']}: "
         f"mean ± sd over {len(settings['seeds'])} seeds",
         fontsize=9,
     )
