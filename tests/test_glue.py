@@ -296,8 +296,8 @@ def test_a_roberta_recipe_scores_its_merged_model(tmp_path, minilm_tokenizer):
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_held_out_examples_are_scored_under_the_autocast_the_recipe_trains_with(bf16, tmp_path, monkeypatch):
-    """As the official code's final test, which runs the model accelerate wrapped for training: under bf16 autocast when
-    training used it (the official runs did not: docs/fidelity.md, precision)."""
+    """As the official code's final test, which runs the model accelerate wrapped for training: under bf16 autocast
+    when training used it (the official runs did not: docs/fidelity.md, precision)."""
     recipe = load_recipe(glue_recipe(tmp_path, "rte"), [f"training.bf16={str(bf16).lower()}"])
     data = glue_data(recipe)
     model, tokenizer = load_base_model(recipe.model, "float32", recipe.protocol, 32, data.task.num_labels)
