@@ -35,14 +35,11 @@ from pathlib import Path
 
 import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
-from cost.variants import TARGETS, llama_config
-from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
+from cost import variants
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.atomic_file import write_atomically
-from peft_neuroada.budget import density_for_k, targeted_shapes
-from peft_neuroada.train.data import dataset_file, load_examples, training_collator
+from peft_neuroada.train.data import IGNORE_INDEX, dataset_file, load_examples, training_collator
 from peft_neuroada.train.evaluate import average_accuracy, evaluate_task, evaluate_tasks
 from peft_neuroada.train.models import load_base_model
 from peft_neuroada.train.models import load_tokenizer as load_tokenizer_for
@@ -104,9 +101,10 @@ class GeneratedTask:
     """The CPU study's task: fixed dev and test questions; training examples drawn per seed, never one of them."""
 
     def __init__(self, settings: Settings, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.settings, self.tokenizer = settings, tokenizer
+        self.settings, self.tokenizer, self.collate = settings, tokenizer, training_collator(tokenizer)
         self.asked = {"dev": self._questions("dev", settings.dev_questions)}
         self.asked["test"] = self._questions("test", settings.test_questions)
+        self.held_out = {prompt for asked in self.asked.values() for prompt, _ in asked}
 
     @staticmethod
     def _questions(split: str, count: int) -> list[tuple[str, str]]:
@@ -117,42 +115,35 @@ class GeneratedTask:
         return list(drawn.items())
 
     def batches(self, seed: int) -> Iterator[dict]:
-        held_out = {prompt for asked in self.asked.values() for prompt, _ in asked}
         rng = random.Random(f"study-train-{seed}")
         while True:
             examples = []
             while len(examples) < self.settings.batch:
                 example = second_largest(rng)
-                if example[0] not in held_out:
+                if example[0] not in self.held_out:
                     examples.append(example)
             yield self._encode(examples)
 
     def _encode(self, examples: list[tuple[str, str]]) -> dict:
-        """Prompt + answer + EOS, right-padded; the loss is on the answer and EOS only."""
-        tokenizer = self.tokenizer
-        rows = [
-            (tokenizer.encode(prompt, add_special_tokens=False), tokenizer.encode(answer, add_special_tokens=False))
-            for prompt, answer in examples
-        ]
-        width = max(len(p) + len(a) + 1 for p, a in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (prompt, answer) in enumerate(rows):
-            sequence = prompt + answer + [tokenizer.eos_token_id]
-            ids[i, : len(sequence)] = torch.tensor(sequence)
-            labels[i, len(prompt) : len(sequence)] = torch.tensor(sequence[len(prompt) :])
-            mask[i, : len(sequence)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        """Prompt + answer + EOS, right-padded by the project's collator; the loss is on the answer and EOS only."""
+        rows = []
+        for prompt, answer in examples:
+            asked = self.tokenizer.encode(prompt, add_special_tokens=False)
+            taught = self.tokenizer.encode(answer, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            ids, labels = asked + taught, [IGNORE_INDEX] * len(asked) + taught
+            rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
+        return self.collate(rows)
 
     @torch.no_grad()
     def score(self, model: torch.nn.Module, split: str) -> tuple[float, int]:
         """Accuracy of greedy decoding (the first line of the generation, stripped, equals the answer), questions."""
         tokenizer, asked, correct = self.tokenizer, self.asked[split], 0
-        tokenizer.padding_side = "left"
         for start in range(0, len(asked), 64):
             chunk = asked[start : start + 64]
-            inputs = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            prompts = [prompt for prompt, _ in chunk]
+            inputs = tokenizer(
+                prompts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt"
+            )
             inputs = inputs.to(self.settings.device)
             output = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -193,47 +184,26 @@ TASKS = {"second_largest": GeneratedTask, "commonsense": CommonsenseTask}
 # -------------------------------------------------------------------------------------------------------- methods
 
 
-def neuroada(model: PreTrainedModel, k: int, seed: int) -> torch.nn.Module:
-    return get_peft_model(model, NeuroAdaConfig(k=k, target_modules=TARGETS))
-
-
-def lora(model: PreTrainedModel, rank: int, seed: int) -> torch.nn.Module:
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS))
-
-
-def shira(model: PreTrainedModel, rank: int, seed: int) -> torch.nn.Module:
-    """SHiRA tunes r(m + n) random entries of an m x n weight; its ranks are those closest to NeuroAda's budgets."""
-    return get_peft_model(model, ShiraConfig(r=rank, random_seed=seed, target_modules=TARGETS))
-
-
-def supertuning(model: PreTrainedModel, k: int, seed: int) -> torch.nn.Module:
-    """Super-Tuning at the density of NeuroAda's parameter count with this k."""
-    density = density_for_k(targeted_shapes(model, NeuroAdaConfig(k=k, target_modules=TARGETS)), k)
-    return get_peft_model(model, SupertuningConfig(sparsity=1.0 - density, target_modules=TARGETS))
-
-
-def full(model: PreTrainedModel, size: int, seed: int) -> torch.nn.Module:
-    return model.requires_grad_(True)
-
-
 @dataclass(frozen=True)
 class Family:
     """A method at its budgets: `sizes` are k for NeuroAda and Super-Tuning (at NeuroAda's density for that k), the
     rank for LoRA and SHiRA. SHiRA's ranks 1, 3 and 10 are the closest to NeuroAda's k = 1 and 2, 5 and 20 on
     SmolLM2 (budget.lora_rank_for_k)."""
 
-    build: Callable[[PreTrainedModel, int, int], torch.nn.Module]
+    build: Callable[[PreTrainedModel, int, int], variants.Setup]
     sizes: tuple[int, ...]
     sweep_size: int
     learning_rates: tuple[float, ...]
 
 
-FAMILIES = {
-    "neuroada": Family(neuroada, (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)),
-    "lora": Family(lora, (1, 2, 4, 8, 16), 4, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "shira": Family(shira, (1, 3, 10), 3, (3e-3, 1e-2, 3e-2, 1e-1)),
-    "supertuning": Family(supertuning, (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)),
-    "full": Family(full, (0,), 0, (1e-5, 3e-5, 1e-4, 3e-4)),
+FAMILIES = {  # benchmarks/cost/variants.py's set-ups, as train_cost.py measures them
+    "neuroada": Family(lambda model, k, seed: variants.neuroada(k)(model), (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)),
+    "lora": Family(lambda model, r, seed: variants.lora(r)(model), (1, 2, 4, 8, 16), 4, (1e-3, 3e-3, 1e-2, 3e-2)),
+    "shira": Family(lambda model, r, seed: variants.shira(r, seed)(model), (1, 3, 10), 3, (3e-3, 1e-2, 3e-2, 1e-1)),
+    "supertuning": Family(
+        lambda model, k, seed: variants.supertuning(k)(model), (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)
+    ),
+    "full": Family(lambda model, size, seed: variants.full_finetune(model), (0,), 0, (1e-5, 3e-5, 1e-4, 3e-4)),
 }
 
 
@@ -242,18 +212,16 @@ FAMILIES = {
 
 def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
     """The paper protocol's tokenizer for the commonsense task (pad = unk, right padding, prompts cut at 256 tokens),
-    the plain one with EOS as the pad token for the generated task."""
+    the lenient one (EOS as the pad token) for the generated task."""
     protocol, max_length = ("paper", 256) if settings.task == "commonsense" else ("lenient", None)
-    tokenizer = load_tokenizer_for("default", protocol, max_length)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return tokenizer
+    return load_tokenizer_for("default", protocol, max_length)
 
 
 def load_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     if settings.model == "smollm2":
         model, _ = load_base_model("default", settings.dtype, "paper" if settings.task == "commonsense" else "lenient")
     else:
-        model = LlamaForCausalLM(llama_config(len(tokenizer), 64, 128, 2, 4, 2, 128))
+        model = LlamaForCausalLM(variants.llama_config(len(tokenizer), 64, 128, 2, 4, 2, 128))
     return model.to(settings.device)
 
 
@@ -309,8 +277,7 @@ class Study:
     def _train_and_score(self, family: str, size: int, learning_rate: float, seed: int, split: str) -> dict:
         settings = self.settings
         set_seed(seed)
-        model = FAMILIES[family].build(load_model(settings, self.tokenizer), size, seed)
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        model, trainable, _ = FAMILIES[family].build(load_model(settings, self.tokenizer), size, seed)
         optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
         warmup = max(1, round(settings.warmup * settings.steps))
         schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -40,7 +40,7 @@ LOREFT_ROBERTA_BASE = {
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "paper").glob("*.yaml")), ids=lambda p: p.stem)
-def test_paper_recipes_train_and_score_in_pure_bf16_without_autocast(path, monkeypatch, tmp_path):
+def test_paper_recipes_train_and_score_in_pure_bf16_without_autocast(path, monkeypatch):
     """The official run loads bf16 weights and then asks `dtype == "bfloat16"` of what is by then torch.bfloat16, so
     its TrainingArguments get bf16=None (train_our.py L516, L577): no autocast in training or in the final test, even
     on a GPU with bf16."""

@@ -150,18 +150,30 @@ def lora(rank: int | None) -> Callable[[PreTrainedModel], Setup]:
     return setup
 
 
-def shira(model: PreTrainedModel) -> Setup:
-    r = budget_rank(model)
-    config = ShiraConfig(r=r, random_seed=0, target_modules=TARGETS)
-    return peft_variant(model, config, f"shira r={r} (budget)")
+def shira(rank: int | None = None, seed: int = 0) -> Callable[[PreTrainedModel], Setup]:
+    """SHiRA (r(m + n) random entries of an m x n weight) at a fixed rank, or (rank None) at the rank matching NeuroAda
+    k=20's parameter count; `seed` draws its entries."""
+
+    def setup(model: PreTrainedModel) -> Setup:
+        r = rank or budget_rank(model)
+        config = ShiraConfig(r=r, random_seed=seed, target_modules=TARGETS)
+        return peft_variant(model, config, f"shira r={r}" + ("" if rank else " (budget)"))
+
+    return setup
 
 
-def supertuning(model: PreTrainedModel) -> Setup:
+def supertuning(k: int = BUDGET_K) -> Callable[[PreTrainedModel], Setup]:
     """peft's Super-Tuning (magnitude-selected sparse entries, the upstream counterpart of NeuroAda) at the density
-    that gives it NeuroAda k=20's parameter count."""
-    density = density_for_k(targeted_shapes(model, NeuroAdaConfig(k=BUDGET_K, target_modules=TARGETS)), BUDGET_K)
-    config = SupertuningConfig(sparsity=1.0 - density, target_modules=TARGETS)
-    return peft_variant(model, config, f"supertuning {100 * density:.2f}% (budget)")
+    that gives it NeuroAda's parameter count with this k."""
+
+    def setup(model: PreTrainedModel) -> Setup:
+        density = density_for_k(targeted_shapes(model, NeuroAdaConfig(k=k, target_modules=TARGETS)), k)
+        config = SupertuningConfig(sparsity=1.0 - density, target_modules=TARGETS)
+        return peft_variant(
+            model, config, f"supertuning {100 * density:.2f}%" + (" (budget)" if k == BUDGET_K else "")
+        )
+
+    return setup
 
 
 class ScatterAddLinear(nn.Module):
@@ -213,8 +225,8 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "neuroada-k20-nonmutating": neuroada(BUDGET_K, inplace=False),
     "lora-budget": lora(None),
     "lora-r8": lora(8),
-    "shira-budget": shira,
-    "supertuning-budget": supertuning,
+    "shira-budget": shira(),
+    "supertuning-budget": supertuning(),
     "paper-scatter-k20": paper_scatter_add,
     "mask-k20": mask_based,
     "full": full_finetune,
