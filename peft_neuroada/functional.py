@@ -25,7 +25,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +40,10 @@ from . import kernels
 _COMPACT_INPUT_MAX_SHARE = 0.5
 _LINEAR_MODULES = (nn.Linear, Conv1D)
 _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
+# torch's registries of global module hooks (dicts it fills and empties in place, never rebinds).
+_GLOBAL_HOOKS = tuple(
+    getattr(module_hooks, f"_global_{kind}_hooks") for kind in ("forward", "forward_pre", "backward", "backward_pre")
+)
 
 
 class Placement:
@@ -111,19 +115,13 @@ _HELD_FOR_FORK: list[WeightLock] = []
 
 
 def _hold_weights_for_fork() -> None:
-    """Before `os.fork`: wait for the visits in flight and hold every weight lock (and the guard) through the fork,
-    so the child, which has only the forking thread, starts with every weight restored and every lock free. Visits
-    hold one weight lock at a time, so taking them one by one cannot deadlock."""
-    while True:
-        _LOCKS_GUARD.acquire()
-        held = {id(lock) for lock in _HELD_FOR_FORK}
-        pending = [lock for lock in list(_LOCKS) if id(lock) not in held]
-        if not pending:
-            return
-        _LOCKS_GUARD.release()
-        for lock in pending:
-            lock._lock.acquire()
-            _HELD_FOR_FORK.append(lock)
+    """Before `os.fork`: wait for the visits in flight and hold every weight lock (and the guard, so no lock is made
+    meanwhile) through the fork, so the child, which has only the forking thread, starts with every weight restored
+    and every lock free. A visit never makes a layer, so no visit waits for the guard while holding its lock."""
+    _LOCKS_GUARD.acquire()
+    for lock in list(_LOCKS):
+        lock._lock.acquire()
+        _HELD_FOR_FORK.append(lock)
 
 
 def _release_weights_after_fork() -> None:
@@ -154,7 +152,6 @@ class FrozenLinear(NamedTuple):
     weight: torch.Tensor  # its weight as a (d_out, d_in) view
     shared_with: tuple[str, ...]  # other modules holding the same weight
     lock: WeightLock
-    patches: dict  # the layer's prepared C entry patches (kernels.entry_patch)
 
     def locked(self) -> WeightLock:
         return self.lock.on(self.weight.device)
@@ -186,12 +183,7 @@ class FrozenLinear(NamedTuple):
             return "the base layer has forward hooks"
         if base._backward_hooks or base._backward_pre_hooks:
             return "the base layer has backward hooks"
-        if (
-            module_hooks._global_forward_hooks
-            or module_hooks._global_forward_pre_hooks
-            or module_hooks._global_backward_hooks
-            or module_hooks._global_backward_pre_hooks
-        ):
+        if any(_GLOBAL_HOOKS):
             return "module hooks are registered globally (torch.nn.modules.module.register_module_*_hook)"
         return None
 
@@ -259,81 +251,50 @@ def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: 
     return _forward(x, frozen, placements, deltas, inplace)
 
 
-class _Entries(NamedTuple):
-    """Selected entries of one weight in delta order: along its rows (fastest for float32/64 with every neuron tuned)
-    or at positions in a 1-D view of its storage (CPU scatter copies a half-precision weight to float32 and back;
-    this also covers transposed views and subsets of neurons)."""
-
-    target: torch.Tensor
-    index: torch.Tensor
-    row_wise: bool
-
-    def read(self) -> torch.Tensor:
-        return self.target.gather(1, self.index) if self.row_wise else self.target[self.index]
-
-    def writer(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The write as one call into torch: nothing in Python between a `finally:` and the write itself."""
-        if self.row_wise:
-            return functools.partial(self.target.scatter_, 1, self.index, values)
-        return functools.partial(self.target.index_put_, (self.index,), values)
-
-    def parts(self, placements: Sequence[Placement]) -> list[_Entries]:
-        """The entries of each of the `placements` these were located for (`_locate` joins them in order)."""
-        if self.row_wise:
-            indices = self.index.split([p.cols.shape[1] for p in placements], dim=1)
-        else:
-            indices = [
-                part.view(p.cols.shape)
-                for part, p in zip(self.index.split([p.cols.numel() for p in placements]), placements, strict=True)
-            ]
-        return [_Entries(self.target, index, self.row_wise) for index in indices]
-
-
-def _locate(weight: torch.Tensor, placements: Sequence[Placement]) -> _Entries:
-    """The entries at all `placements` (they may repeat across adapters), through `weight.data`: the version counter
-    never moves, so another graph that saved the weight still runs its backward (every patch is restored before the
-    visit ends; a merge is the model's new weight, as LoRA's merge through `weight.data` makes it)."""
+def _storage(weight: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the weight's storage, through `weight.data`: writes never move the version counter, so another
+    graph that saved the weight still runs its backward (every patch is restored before the visit ends; a merge is the
+    model's new weight, as LoRA's merge through `weight.data` makes it)."""
     weight = weight.data
-    if weight.dtype in (torch.float32, torch.float64) and all(p.rows is None for p in placements):
-        return _Entries(weight, torch.cat([p.cols.long() for p in placements], dim=1), row_wise=True)
-    storage = weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
-    positions = []
-    for p in placements:
-        rows = torch.arange(p.cols.shape[0], device=p.cols.device) if p.rows is None else p.rows.long()
-        positions.append((rows[:, None] * weight.stride(0) + p.cols.long() * weight.stride(1)).reshape(-1))
-    index = positions[0].view(placements[0].cols.shape) if len(positions) == 1 else torch.cat(positions)
-    return _Entries(storage, index, row_wise=False)
+    return weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
+
+
+def _positions(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Where the placement's entries sit in `_storage(weight)`, shaped like the deltas (any strides, any neurons)."""
+    cols = placement.cols
+    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
+    return rows[:, None] * weight.stride(0) + cols.long() * weight.stride(1)
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
     """The entries of a (d_out, d_in) `weight` at the placement, shaped like the deltas."""
-    return _locate(weight, [placement]).read()
+    return _storage(weight)[_positions(weight, placement)]
 
 
 def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    _locate(weight, [placement]).writer(values)()
+    _storage(weight).index_put_((_positions(weight, placement),), values)
 
 
 def _with_deltas_added(frozen: FrozenLinear, placements: Sequence[Placement], deltas: Sequence[torch.Tensor], compute):
     """`compute()` while the weight holds the deltas (overlapping adapters add up); then every entry is bit-identical
-    again: the originals are read before any write and written back in the `finally` by one call, retried once if
-    that call itself is interrupted, so any exception, KeyboardInterrupt included, restores the weight."""
+    again: the originals are read before any write and written back in the `finally` by one call into torch (nothing
+    in Python between the `finally:` and the write), retried once if that call itself is interrupted, so any
+    exception, KeyboardInterrupt included, restores the weight."""
     weight = frozen.weight
     if len(placements) == 1 and kernels.patches_entries(weight, deltas[0]):
-        entry_patch = kernels.entry_patch(weight, placements[0].cols, placements[0].rows, deltas[0], frozen.patches)
+        entry_patch = kernels.entry_patch(weight, placements[0].cols, placements[0].rows, deltas[0])
         patch, restore = entry_patch.apply, entry_patch.restore
     else:
-        everything = _locate(weight, placements)
+        storage, positions = _storage(weight), [_positions(weight, p) for p in placements]
+        everywhere = torch.cat([at.reshape(-1) for at in positions])
         with torch.no_grad():
-            originals = everything.read()
-        restore = everything.writer(originals)
+            originals = storage[everywhere]
+        restore = functools.partial(storage.index_put_, (everywhere,), originals)
 
         @torch.no_grad()
         def patch() -> None:
-            if len(placements) == 1:
-                return everything.writer(originals + deltas[0].detach().to(originals.dtype))()
-            for entries, delta in zip(everything.parts(placements), deltas, strict=True):
-                entries.writer(entries.read() + delta.detach().to(originals.dtype))()
+            for at, delta in zip(positions, deltas, strict=True):
+                storage.index_put_((at,), storage[at] + delta.detach().to(originals.dtype))
 
     try:
         patch()

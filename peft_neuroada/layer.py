@@ -81,14 +81,12 @@ def unreadable_weight(base: nn.Module) -> str | None:
 
 
 class LayerRuntime:
-    """What a layer keeps for the process it runs in: its weight's lock, placements, prepared C entry patches and
-    frozen layer. Copies and pickles of the layer start with a fresh one: nothing of it is saved or shared."""
+    """What a layer keeps for the process it runs in: its weight's lock and its placements. Copies and pickles of the
+    layer start with a fresh one: nothing of it is saved or shared."""
 
     def __init__(self) -> None:
         self.lock = WeightLock()
         self.placements: dict[str, tuple] = {}
-        self.patches: dict = {}
-        self.frozen: FrozenLinear | None = None
 
     def __reduce__(self) -> tuple:
         return (LayerRuntime, ())
@@ -147,19 +145,11 @@ class NeuroAdaLayer(BaseTunerLayer):
         return quantized_linear(self.get_base_layer(), self.requantize_with)
 
     def frozen(self) -> FrozenLinear:
-        """The frozen layer as `functional` takes it, kept while the base layer, its weight and `weight_shared_with`
-        are the same objects (checking costs a fifth of remaking it); not for a Conv1D (a kept transposed view would
-        not follow a change of the weight's data) nor while traced (dynamo would guard on it)."""
-        runtime, base = self._runtime, self.base_layer
-        kept = runtime.frozen
-        if kept and kept.module is base and kept.weight is base.weight and kept.shared_with is self.weight_shared_with:
-            return kept
-        frozen = FrozenLinear(
-            self.get_base_layer(), self.weight_out_in(), self.weight_shared_with, runtime.lock, runtime.patches
-        )
-        if not (self.fan_in_fan_out or torch.compiler.is_compiling()):
-            runtime.frozen = frozen
-        return frozen
+        """The frozen layer as `functional` takes it."""
+        base = self.base_layer  # (`get_base_layer()` asks `hasattr` twice: a third of this call's time)
+        base = base.get_base_layer() if isinstance(base, BaseTunerLayer) else base
+        weight = base.weight.T if self.fan_in_fan_out else base.weight
+        return FrozenLinear(base, weight, self.weight_shared_with, self._runtime.lock)
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
         """Add an adapter: select each neuron's inputs on the frozen weight and create its deltas. `layer_name` (the

@@ -7,7 +7,6 @@ where there is one."""
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import itertools
 import os
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from pathlib import Path
 
 import pytest
@@ -345,73 +343,6 @@ def test_a_column_repeated_within_a_row_gets_both_deltas_and_restoring_still_giv
     assert torch.equal(weight[:, 3], (original[:, 3] + delta[:, 0]) + delta[:, 1])
     entries.restore()
     assert torch.equal(weight, original)
-
-
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_entry_patches_are_prepared_once_per_set_of_tensors_and_never_handed_out_twice_while_in_use():
-    case = Case(1, 70, 40, 20)
-    weight, expected = patched_weight(case, transposed=False)
-    original, cols = weight.clone(), case.cols.contiguous()  # a layer's columns are contiguous
-    prepared: dict = {}  # the layer's
-    first = kernels.entry_patch(weight, cols, None, case.delta, prepared)
-    first.restore()
-    again = kernels.entry_patch(weight, cols, None, case.delta, prepared)
-    assert again is first
-    nested = kernels.entry_patch(weight, cols, None, case.delta, prepared)  # `again` is not restored yet
-    assert nested is not again
-    again.apply()
-    nested.apply()
-    assert torch.equal(weight, expected + case.dense_delta().float())  # float32 additions, one per visit
-    nested.restore()
-    assert torch.equal(weight, expected)
-    again.restore()
-    assert torch.equal(weight, original)
-
-
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_a_kept_entry_patch_follows_deltas_given_new_memory():
-    case = Case(1, 70, 40, 20)
-    weight, _ = patched_weight(case, transposed=False)
-    original = weight.clone()
-    delta, cols, prepared = case.delta.clone(), case.cols.contiguous(), {}
-    kernels.entry_patch(weight, cols, None, delta, prepared).restore()
-    delta.data = 2 * delta  # new memory, as `param.data = ...` gives
-    entries = kernels.entry_patch(weight, cols, None, delta, prepared)
-    entries.apply()
-    assert torch.equal(weight, (original.double() + 2 * case.dense_delta()).float())
-    entries.restore()
-    assert torch.equal(weight, original)
-
-
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_a_kept_entry_patch_keeps_no_tensor_alive_between_visits():
-    case = Case(1, 70, 40, 20)
-    weight, _ = patched_weight(case, transposed=False)
-    delta, cols, prepared = case.delta.clone(), case.cols.contiguous(), {}
-    entries = kernels.entry_patch(weight, cols, None, delta, prepared)
-    entries.apply()
-    entries.restore()
-    assert list(prepared.values()) == [entries]
-    alive = [weakref.ref(t) for t in (weight, cols, delta)]
-    del weight, cols, delta, case
-    gc.collect()
-    assert all(ref() is None for ref in alive)
-
-
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
-def test_entry_patches_are_kept_only_in_the_callers_dict_which_is_emptied_at_eight():
-    case = Case(1, 70, 40, 20)
-    weight, _ = patched_weight(case, transposed=False)
-    cols = case.cols.contiguous()
-    first = kernels.entry_patch(weight, cols, None, case.delta)
-    first.restore()
-    fresh = kernels.entry_patch(weight, cols, None, case.delta)  # no dict: nothing kept
-    assert fresh is not first
-    fresh.restore()
-    prepared: dict = {}
-    for delta in [case.delta.clone() for _ in range(9)]:  # nine sets of tensors, as nine layers' would be
-        kernels.entry_patch(weight, cols, None, delta, prepared).restore()
-    assert len(prepared) == 1
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler")

@@ -159,24 +159,11 @@ def patches_entries(weight: Tensor, delta: Tensor) -> bool:
     return on_cpu and _compiled_dtypes((weight, delta)) and not torch.compiler.is_compiling() and cpu.available()
 
 
-def entry_patch(
-    weight: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, prepared: dict | None = None
-) -> cpu.EntryPatch:
+def entry_patch(weight: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor) -> cpu.EntryPatch:
     """`cpu.EntryPatch`: `weight[rows[i], cols[i, j]] += delta[i, j]` (`.apply()`) and its exact undo (`.restore()`).
     Whatever the C kernels would write out of bounds is refused before any write: here, or a bad column by `.apply()`.
-
-    Checking costs less than preparing, so `prepared`, a dict the caller keeps per layer, holds reusable patches by
-    `cpu.patch_facts` (up to 8) and hands one out again while it is not in use; with None every call prepares anew.
     Visits of one weight must not run concurrently."""
-    facts = None if prepared is None else cpu.patch_facts(weight, cols, rows, delta)
-    patch = None if prepared is None else prepared.get(facts)
-    if patch is None or patch.in_use:
-        _check("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
-        if not (weight.device.type == delta.device.type == "cpu" and _compiled_dtypes((weight, delta))):
-            raise TypeError("entry_patch: weight and delta must be float32/bfloat16/float16 CPU tensors")
-        patch = cpu.EntryPatch(weight, cols, rows, delta)
-        if prepared is not None and patch.reusable:
-            if len(prepared) >= 8:
-                prepared.clear()
-            prepared[facts] = patch
-    return patch.hold(weight, cols, rows, delta)
+    _check("entry_patch", cols, rows, weight.shape[0], {"weight": weight, "delta": delta})
+    if not (weight.device.type == delta.device.type == "cpu" and _compiled_dtypes((weight, delta))):
+        raise TypeError("entry_patch: weight and delta must be float32/bfloat16/float16 CPU tensors")
+    return cpu.EntryPatch(weight, cols, rows, delta)

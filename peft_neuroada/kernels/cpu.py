@@ -332,43 +332,25 @@ class _PatchState(ctypes.Structure):  # neuroada_cpu.c's: whether the entries ar
     _fields_ = [("applied", ctypes.c_int32), ("saved", ctypes.c_void_p)]
 
 
-def patch_facts(weight: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor) -> tuple:
-    """What an `EntryPatch`'s prepared calls depend on: tensors with the same facts get identical calls."""
-    tensors = (weight, cols, delta) if rows is None else (weight, cols, delta, rows)
-    return (*((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors), torch.get_num_threads())
-
-
 class EntryPatch:
     """`weight[rows[i], cols[i, j]] += delta[i, j]` (`apply`, as torch's `w + delta.to(w.dtype)`) and its exact undo
-    (`restore`), each one C call prepared once (they run at every visit of a layer). `restore` writes back only what an
-    `apply` patched, so a `finally` may always call it. The calls use raw addresses: `hold` keeps the tensors' storages
-    until `restore`, and copies made here are kept. A `reusable` patch points into the given tensors themselves, so it
-    serves any tensors with the same `patch_facts`, and it keeps no tensor alive between visits."""
+    (`restore`), one C call each. `restore` writes back only what an `apply` patched, so a `finally` may always call
+    it. The calls use raw addresses: the patch holds the tensors, and the copies made here, while it lives."""
 
     def __init__(self, weight: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, *, lib=None):
         lib = _required() if lib is None else lib
-        place, own_cols, own_rows = _placement(cols, rows)
-        own_delta = delta.detach().contiguous()
-        self.reusable = own_cols is cols and own_rows is rows and own_delta.data_ptr() == delta.data_ptr()
-        self._copies = () if self.reusable else (own_cols, own_rows, own_delta)
-        self._state, self._held, self.in_use = _PatchState(), (), False
+        place, cols, rows = _placement(cols, rows)
+        delta = delta.contiguous()  # (its address only: no autograd)
+        self._state, self._held = _PatchState(), (weight, cols, rows, delta)
         at, state, workers = [*_matrix(weight), *place], ctypes.addressof(self._state), torch.get_num_threads()
         self._apply = functools.partial(
-            lib.na_patch_entries, *at, own_delta.data_ptr(), DTYPE_CODES[delta.dtype], state, weight.shape[1],
+            lib.na_patch_entries, *at, delta.data_ptr(), DTYPE_CODES[delta.dtype], state, weight.shape[1],
             weight.shape[0], *cols.shape, workers,
         )  # fmt: skip
         self._restore = functools.partial(lib.na_restore_entries, *at, state, *cols.shape, workers)
-
-    def hold(self, *tensors: Tensor | None) -> EntryPatch:
-        """Keep the storages of `tensors` alive until `restore` and mark the patch in use; returns the patch."""
-        self._held = tuple(t.untyped_storage() for t in tensors if t is not None)
-        self.in_use = True
-        return self
 
     def apply(self) -> None:
         _check(self._apply())
 
     def restore(self) -> None:
         self._restore()
-        self._held = ()
-        self.in_use = False
