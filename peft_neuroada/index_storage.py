@@ -82,19 +82,3 @@ def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_
     if indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
         return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
     return None
-
-
-def checked_indices(layer: str, attribute: str, indices: torch.Tensor, bound: int) -> torch.Tensor:
-    """`indices` read from a saved adapter if `index_problem` finds nothing; raises naming the layer otherwise."""
-    problem = index_problem(indices, bound, attribute)
-    if problem is None:
-        return indices
-    if problem.startswith("range"):
-        raise ValueError(
-            f"The NeuroAda adapter does not fit the base model at layer '{layer}': its {attribute} {problem}. "
-            "Load the adapter on the base model it was trained on."
-        )
-    raise ValueError(
-        f"The NeuroAda adapter's {attribute} for layer '{layer}' {problem}; selection never makes such indices, so "
-        "the file is damaged or was edited. Save the adapter again from the model it was trained in."
-    )

@@ -314,46 +314,41 @@ class NeuroAdaLayer(BaseTunerLayer):
         if not names:
             return
         self.check_mergeable()
-        quantized = self.quantized()
         weight = self.weight_out_in()
-        if quantized is None and weight.is_meta:
+        if self.quantized() is None and weight.is_meta:
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         merged_before = len(self.merged_adapters)
         try:
             with self._weight_lock(), self._weight_writes(weight):
                 for name in names:
-                    if quantized is not None:
-                        self._merge_quantized(name, safe_merge)
-                        continue
-                    placement = self.placement(name)
-                    originals = placed_entries(weight, placement)
-                    merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
-                    _check_finite(name, merged, safe_merge)
-                    self._merge_originals[name] = (placement.copy(), originals)
-                    self.merged_adapters.append(name)
-                    write_placed_(weight, placement, merged)
+                    self._merge_one(name, safe_merge)
         except BaseException:
             self.unmerge_to(merged_before)
             raise
 
-    def _merge_quantized(self, name: str, safe_merge: bool) -> None:
-        """Dequantize, add, quantize again (rounded to the grid, which warns, as peft's LoRA does); the replaced
-        quantized weight is kept for unmerge."""
+    def _merge_one(self, name: str, safe_merge: bool) -> None:
+        """Add one adapter's deltas. A quantized weight is dequantized, added to and quantized again (rounded to the
+        grid, which warns, as peft's LoRA does); the replaced quantized weight is kept for unmerge."""
         quantized = self.quantized()  # the layer as the previous adapter left it
-        warnings.warn(
-            f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to rounding "
-            f"errors: the merged weight is quantized again (unmerge restores the original exactly). "
-            f"{FULL_PRECISION_HINT}",
-            stacklevel=3,
-        )
-        weight = quantized.dense()
+        weight = self.weight_out_in() if quantized is None else quantized.dense()
         placement = self.placement(name)
-        merged = placed_entries(weight, placement) + self.neuroada_delta[name].detach().float()
+        originals = placed_entries(weight, placement)
+        merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
         _check_finite(name, merged, safe_merge)
-        write_placed_(weight, placement, merged)
-        self._quantized_originals[name] = quantized.snapshot()
+        if quantized is None:
+            self._merge_originals[name] = (placement.copy(), originals)
+        else:
+            warnings.warn(
+                f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to rounding "
+                f"errors: the merged weight is quantized again (unmerge restores the original exactly). "
+                f"{FULL_PRECISION_HINT}",
+                stacklevel=3,
+            )
+            self._quantized_originals[name] = quantized.snapshot()
         self.merged_adapters.append(name)
-        quantized.replace(weight)
+        write_placed_(weight, placement, merged)
+        if quantized is not None:
+            quantized.replace(weight)
 
     def check_mergeable(self) -> None:
         """Refuse a shared weight, or a quantized one that cannot be quantized again, before anything changes."""

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .atomic_file import weights_to_read
-from .index_storage import checked_indices, saved_columns, to_buffer
+from .index_storage import index_problem, saved_columns, to_buffer
 from .selection import INDEX_DTYPE, tuned_neuron_count
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
@@ -56,8 +56,14 @@ def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, to
         if saved.shape != expected.shape:
             _refuse_shape(name, attribute, saved, expected, fits, layer.in_features)
         if attribute in bounds:
-            checked = checked_indices(name, attribute, saved, bounds[attribute]).to(INDEX_DTYPE)
-            state_dict[key] = to_buffer(checked, layer.in_features) if attribute == "neuroada_indices" else checked
+            if problem := index_problem(saved, bounds[attribute], attribute):
+                raise ValueError(
+                    f"The NeuroAda adapter's {attribute} for layer '{name}' {problem}: it was trained on another base "
+                    "model, or its file is damaged or was edited. Load it on the base model it was trained on, or "
+                    "save it again from the model it was trained in."
+                )
+            saved = saved.to(INDEX_DTYPE)
+            state_dict[key] = to_buffer(saved, layer.in_features) if attribute == "neuroada_indices" else saved
 
 
 def _refuse_shape(name: str, attribute: str, saved, expected, fits: str, d_in: int) -> None:

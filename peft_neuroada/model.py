@@ -129,15 +129,12 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
     @staticmethod
     def _create_new_module(config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str) -> Linear:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if isinstance(base, Conv1D):
-            fan_in_fan_out = True
-        elif isinstance(base, nn.Linear):
-            fan_in_fan_out = False
-        else:
+        if not isinstance(base, (nn.Linear, Conv1D)):
             raise TypeError(
                 f"NeuroAda cannot adapt module '{current_key}' of type {type(base).__name__}: only torch.nn.Linear "
                 "and transformers' Conv1D are supported. Remove it from target_modules or add it to exclude_modules."
             )
+        fan_in_fan_out = isinstance(base, Conv1D)
         if fan_in_fan_out != config.fan_in_fan_out:
             warnings.warn(
                 f"fan_in_fan_out={config.fan_in_fan_out} does not match {type(base).__name__} layers; "
@@ -254,11 +251,7 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
             return
         if self.training:
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
-        known = set()
-        for module in self.model.modules():
-            if isinstance(module, NeuroAdaLayer):
-                known |= module.neuroada_delta.keys()
-        unexpected = {name for name in adapter_names if name != BASE_ADAPTER_NAME} - known
+        unexpected = {name for name in adapter_names if name != BASE_ADAPTER_NAME} - self.peft_config.keys()
         if unexpected:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
         mixed = MixedBatch(list(adapter_names))
