@@ -146,7 +146,7 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     def frozen(self) -> FrozenLinear:
         """The frozen layer as `functional` takes it."""
-        base = self.base_layer  # (`get_base_layer()` asks `hasattr` twice: a third of this call's time)
+        base = self.base_layer  # (`get_base_layer()` asks `hasattr` twice, at every visit)
         base = base.get_base_layer() if isinstance(base, BaseTunerLayer) else base
         weight = base.weight.T if self.fan_in_fan_out else base.weight
         return FrozenLinear(base, weight, self.weight_shared_with, self._runtime.lock)
