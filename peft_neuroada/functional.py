@@ -293,6 +293,9 @@ def _with_deltas_added(frozen: FrozenLinear, placements: Sequence[Placement], de
 
         @torch.no_grad()
         def patch() -> None:
+            if len(positions) == 1:  # its entries are the originals: no second read (a kernel launch on CUDA)
+                delta = deltas[0].detach().reshape(-1)
+                return storage.index_put_((everywhere,), originals + delta.to(originals.dtype))
             for at, delta in zip(positions, deltas, strict=True):
                 storage.index_put_((at,), storage[at] + delta.detach().to(originals.dtype))
 
