@@ -1,6 +1,7 @@
 """What lies in the kernel cache is untrusted input, and a compiler can be broken: a damaged or wrong library, or a
 garbled record beside one, never crashes a process and never changes a result. The kernels are rebuilt where that
-helps; where it does not, the torch ops serve, after one warning.
+helps; where it does not, the torch ops serve, after one warning. A library that another user could have planted (a
+cache folder or file not owned by this user, writable by group or others, or a symbolic link) is never loaded.
 
 The libraries here are built by the system compiler at -O0 (a fifth of the build time: these specs are about what the
 loader trusts, not about optimised code). Damaged libraries are loaded in fresh processes: a crash would end pytest."""
@@ -8,10 +9,13 @@ loader trusts, not about optimised code). Damaged libraries are loaded in fresh 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import random
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -266,3 +270,158 @@ def test_with_no_cache_folder_at_all_the_torch_ops_serve_after_one_warning(first
     assert products_match_torch_ops() == "torch"
     (warning,) = peft_neuroada_warnings(caplog)
     assert "set PEFT_NEUROADA_CACHE" in warning
+
+
+# A library that only announces itself: its constructor runs at `dlopen`, before any self-test could reject it.
+PLANTED_SOURCE = """
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *marker = fopen(%s, "w");
+    if (marker) fclose(marker);
+}
+"""
+NOBODY = 65534
+
+
+def plant(library: Path, content: bytes) -> None:
+    """`content` as the cached library, with the record that vouches for it."""
+    library.unlink()
+    library.write_bytes(content)
+    library.with_suffix(".sha256").write_bytes(record_of(content))
+
+
+def root_writable_by_others(cache: Path) -> Path:
+    cache.chmod(0o777)
+    return cache
+
+
+def kernels_folder_writable_by_group(cache: Path) -> Path:
+    (cache / "kernels").chmod(0o770)
+    return cache / "kernels"
+
+
+def root_owned_by_another_user(cache: Path) -> Path:
+    os.chown(cache, NOBODY, NOBODY)
+    return cache
+
+
+def kernels_folder_owned_by_another_user(cache: Path) -> Path:
+    os.chown(cache / "kernels", NOBODY, NOBODY)
+    return cache / "kernels"
+
+
+def kernels_folder_is_a_symlink(cache: Path) -> Path:
+    elsewhere = cache.with_name("elsewhere")
+    (cache / "kernels").rename(elsewhere)
+    (cache / "kernels").symlink_to(elsewhere)
+    return cache / "kernels"
+
+
+def library_is_a_symlink(cache: Path) -> Path:
+    library, elsewhere = library_in(cache), cache.with_name("planted.so")
+    library.rename(elsewhere)
+    library.symlink_to(elsewhere)
+    return library
+
+
+def library_owned_by_another_user(cache: Path) -> Path:
+    os.chown(library_in(cache), NOBODY, NOBODY)
+    return library_in(cache)
+
+
+def record_writable_by_others(cache: Path) -> Path:
+    library_in(cache).with_suffix(".sha256").chmod(0o666)
+    return library_in(cache).with_suffix(".sha256")
+
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+# Each way to make a cache untrusted after the planting, and what the warning says of the path it returns.
+UNTRUSTED_FOLDERS = [  # the cache is neither read nor written: the kernels are built for the process alone
+    (root_writable_by_others, "is writable by group or others (mode 777)"),
+    (kernels_folder_writable_by_group, "is writable by group or others (mode 770)"),
+    pytest.param(root_owned_by_another_user, f"is owned by uid {NOBODY}", marks=ROOT_ONLY),
+    pytest.param(kernels_folder_owned_by_another_user, f"is owned by uid {NOBODY}", marks=ROOT_ONLY),
+    (kernels_folder_is_a_symlink, "is a symbolic link"),
+]
+UNTRUSTED_FILES = [  # in a trusted folder: the library is rebuilt in its place
+    (library_is_a_symlink, "is a symbolic link"),
+    pytest.param(library_owned_by_another_user, f"is owned by uid {NOBODY}", marks=ROOT_ONLY),
+    (record_writable_by_others, "is writable by group or others (mode 666)"),
+]
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory) -> tuple[bytes, Path]:
+    """A library whose constructor creates a marker file, and where that marker would appear."""
+    folder = tmp_path_factory.mktemp("planted")
+    marker, source = folder / "constructor-ran", folder / "planted.c"
+    source.write_text(PLANTED_SOURCE % json.dumps(str(marker)))
+    subprocess.run([*COMPILER, "-O0", "-shared", "-fPIC", str(source), "-o", str(folder / "planted.so")], check=True)
+    return (folder / "planted.so").read_bytes(), marker
+
+
+def run_with_planted_library(cache: Path, planted_library, untrust) -> tuple[str, Path]:
+    """Plant the library, make the cache untrusted by `untrust`, then check the products in a fresh process (the
+    planted constructor could run there); returns its one warning (logging's last resort prints it) and the path
+    `untrust` made untrusted."""
+    content, marker = planted_library
+    marker.unlink(missing_ok=True)  # from an earlier spec that failed
+    plant(library_in(cache), content)
+    untrusted = untrust(cache)
+    result = run_in_fresh_process()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not marker.exists()
+    assert result.stdout.split()[-1] == "cpu"
+    (warning,) = [line for line in result.stderr.splitlines() if line.startswith("peft-neuroada:")]
+    return warning, untrusted
+
+
+@pytest.mark.parametrize("untrust, what_was_wrong", UNTRUSTED_FOLDERS)
+def test_a_library_planted_in_a_cache_folder_another_user_could_write_is_never_loaded(
+    cache, planted_library, untrust, what_was_wrong
+):
+    """Its record matches, so only the folder's owner, mode or link betrays it. The kernels still serve, built for
+    this process only, after one warning that names the folder, what is wrong and what to do; nothing is written
+    into that cache."""
+    warning, untrusted = run_with_planted_library(cache, planted_library, untrust)
+    assert f"{untrusted} {what_was_wrong}" in warning and "for this process only" in warning
+    assert "set PEFT_NEUROADA_CACHE to a folder only you can write" in warning
+    assert ("chmod go-w" in warning) == ("writable" in what_was_wrong)
+    assert library_in(cache).read_bytes() == planted_library[0]
+
+
+@pytest.mark.parametrize("untrust, what_was_wrong", UNTRUSTED_FILES)
+def test_a_planted_library_or_record_in_a_trusted_cache_folder_is_never_loaded_but_replaced_with_a_warning(
+    cache, planted_library, untrust, what_was_wrong
+):
+    """The folder is this user's, but the library or its record is not (a link to a planted file, another owner, a
+    record others could rewrite): the library is rebuilt in its place, with a warning rather than the quiet note of
+    a damaged library."""
+    warning, untrusted = run_with_planted_library(cache, planted_library, untrust)
+    assert f"{untrusted} {what_was_wrong}" in warning and "rebuilt the C kernels" in warning
+    library = library_in(cache)
+    assert not library.is_symlink() and library.stat().st_uid == os.geteuid() and is_recorded(library)
+
+
+@pytest.fixture
+def permissive_umask():
+    """As in containers whose umask is 0: the modes of what is created are then exactly the ones asked for."""
+    previous = os.umask(0)
+    yield
+    os.umask(previous)
+
+
+def test_the_cache_it_creates_is_private_and_is_loaded_again_without_a_rebuild(
+    tmp_path, monkeypatch, first_use, permissive_umask, caplog
+):
+    root = tmp_path / "not-yet" / "cache"
+    monkeypatch.setenv("PEFT_NEUROADA_CACHE", str(root))
+    assert products_match_torch_ops() == "cpu"
+    library = library_in(root)
+    created = [root, root / "kernels", library, library.with_suffix(".sha256")]
+    assert [stat.S_IMODE(path.stat().st_mode) for path in created] == [0o700, 0o700, 0o755, 0o644]
+    assert {path.stat().st_uid for path in created} == {os.geteuid()}
+    monkeypatch.setattr(cpu, "_library", cpu._UNLOADED)
+    monkeypatch.setattr(cpu, "_build", lambda *args: pytest.fail("rebuilt although cached"))
+    assert products_match_torch_ops() == "cpu"
+    assert not peft_neuroada_warnings(caplog)

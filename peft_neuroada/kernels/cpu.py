@@ -1,10 +1,15 @@
 """The C kernels of `neuroada_cpu.c`: built on first use with the system C compiler, cached, called through ctypes.
 
 Plain C, not a torch C++ extension: without torch headers a build takes seconds, not minutes (CI builds on every clean
-machine), and ctypes releases the GIL. A cache is untrusted (a full disk, a killed process, a shared home folder can
-leave anything) and a compiler can be broken, so a library serves only once its bytes match the size and sha256
-recorded beside it (checked before `dlopen`, which a truncated library crashes) and `_self_test` passed; else it is
-rebuilt, once per process at most. Where nothing works, `library()` is None (one warning) and the torch ops serve.
+machine), and ctypes releases the GIL. `dlopen` runs a library's constructors before any check of its results could,
+so the cache is used only where it passes the trust rule of `..cache` (its root, the kernels folder, the library and
+its record owned by this user, not writable by group or others, no symbolic links; checked on opened descriptors).
+A cache folder that breaks it is neither read nor written: the kernels are built for this process alone, after a
+warning that names the path and what to do. A trusted cache can still hold damage (a full disk, a killed process),
+and a compiler can be broken, so a library serves only once its bytes match the size and sha256 recorded beside it
+(checked before `dlopen`, which a truncated library crashes) and `_self_test` passed; else it is rebuilt, once per
+process at most. What is loaded is always a copy of the checked bytes in a fresh private folder (`_loaded`). Where
+nothing works, `library()` is None (one warning) and the torch ops serve.
 """
 
 from __future__ import annotations
@@ -26,8 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..atomic_file import write_atomically
-from ..cache import cache_root
+from ..cache import UntrustedPath, cache_root, open_cache_folder, open_trusted, write_file
 from . import torch_ops
 
 logger = logging.getLogger(__name__)
@@ -76,10 +80,6 @@ class _Untrusted(Exception):
     """A library that loaded but computes something other than the torch ops."""
 
 
-def cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
 def compiler() -> list[str] | None:
     """`$CC` split as a shell splits it (`CC="ccache gcc"`), its first word found on PATH; unset or empty, the first of
     cc, gcc, clang on PATH. None where there is none (or CC has unbalanced quotes)."""
@@ -112,38 +112,80 @@ def _fingerprint(content: bytes) -> bytes:
     return f"{len(content)} {hashlib.sha256(content).hexdigest()}\n".encode()
 
 
-def _matches_record(library: Path) -> bool:
-    """Whether `library` has the size and sha256 its record names; anything missing or unreadable means no."""
+def _recorded_content(kernels: int, path: Path) -> bytes | None:
+    """The bytes of the cached library `path` (in the folder open as `kernels`) where it and its record pass the trust
+    rule and agree in size and sha256; None where no library is cached. Raises `UntrustedPath`, `OSError`, or
+    `ValueError` where the library does not match its record."""
     try:
-        with open(library.with_suffix(".sha256"), "rb") as file:
-            record = file.read(RECORD_MAX_BYTES)
-        with open(library, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            # the size first: a file replaced by something of another length is not read whole
-            return record.startswith(f"{size} ".encode()) and _fingerprint(file.read(size + 1)) == record
-    except OSError:
-        return False
+        library = open_trusted(path.name, path, kernels)
+    except FileNotFoundError:
+        return None
+    with open(library, "rb") as file:
+        record_path = path.with_suffix(".sha256")
+        try:
+            with open(open_trusted(record_path.name, record_path, kernels), "rb") as record_file:
+                record = record_file.read(RECORD_MAX_BYTES)
+        except FileNotFoundError:
+            record = b""
+        size = os.fstat(file.fileno()).st_size
+        # the size first: a garbage file is not read whole
+        if record.startswith(f"{size} ".encode()) and _fingerprint(content := file.read(size + 1)) == record:
+            return content
+    raise ValueError(f"the cached {path.name} does not match its record")
 
 
-def _build(cc: list[str], target: Path) -> ctypes.CDLL:
-    """Compile, load and self-test in a temporary folder beside `target`, then move the library into place and record
-    it: other processes never see a partial or failing library (a loaded one stays mapped when moved)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
-        source, built = Path(folder) / SOURCE.name, Path(folder) / target.name
+def _from_cache(kernels: int, path: Path) -> tuple[ctypes.CDLL | None, str, int]:
+    """The cached library, or None, why it was not loaded ("" where none is cached) and the level to log that at:
+    WARNING where it broke the trust rule (someone else may have planted it); INFO where it is damaged or fails, as
+    then only this user's own processes wrote it (a crash, a full disk, a changed compiler) and the rebuild repairs
+    it with nothing for the user to do."""
+    try:
+        content = _recorded_content(kernels, path)
+    except UntrustedPath as error:
+        return None, f"{error}, so the cached library was not loaded", logging.WARNING
+    except OSError as error:
+        return None, f"the cached {path.name} could not be read ({error})", logging.INFO
+    except ValueError as error:
+        return None, str(error), logging.INFO
+    if content is None:
+        return None, "", logging.INFO
+    try:
+        return _loaded(content, path.name), "", logging.INFO
+    except Exception as error:  # a wrong library can fail in any way; it is rebuilt
+        return None, f"the cached {path.name} failed: {error}", logging.INFO
+
+
+def _loaded(content: bytes, name: str) -> ctypes.CDLL:
+    """`content` loaded and self-tested from a copy in a fresh private folder (`tempfile`: mode 0700 under a random
+    name in the temporary folder, which is sticky or the user's own). `dlopen` takes a path, and a path in the cache
+    could be swapped between the check of its bytes and the load; the copy's cannot. The copy goes once loaded (its
+    mapping stays)."""
+    with tempfile.TemporaryDirectory(prefix="peft_neuroada-") as folder:
+        path = Path(folder) / name
+        path.write_bytes(content)
+        return _trusted(ctypes.CDLL(str(path)))
+
+
+def _build(cc: list[str], name: str, kernels: int | None) -> ctypes.CDLL:
+    """Compile, load and self-test in a fresh private folder, then cache the library and its record in the folder
+    open as `kernels` (None: a cache that is not trusted, left alone), each written whole under a temporary name:
+    other processes never see a partial or failing library."""
+    with tempfile.TemporaryDirectory(prefix="peft_neuroada-") as folder:
+        source, built = Path(folder) / SOURCE.name, Path(folder) / name
         source.write_text(SOURCE_TEXT)
         command = [*cc, *FLAGS, str(source), "-o", str(built)]
         sizes = range(len(OPTIONAL_FLAGS), -1, -1)  # all the optional flags, then fewer; none of them must build
         for extra in (sum(chosen, ()) for size in sizes for chosen in itertools.combinations(OPTIONAL_FLAGS, size)):
             if subprocess.run([*command, *extra], capture_output=True, timeout=300, check=not extra).returncode == 0:
                 break
-        fingerprint = _fingerprint(built.read_bytes())
+        content = built.read_bytes()
         lib = _trusted(ctypes.CDLL(str(built)))
-        os.replace(built, target)
-    try:  # without a record the next process only builds again
-        write_atomically(target.with_suffix(".sha256"), lambda temporary: Path(temporary).write_bytes(fingerprint))
-    except OSError:
-        logger.debug("peft-neuroada: could not record the C kernels' size and hash beside %s", target)
+    if kernels is not None:
+        try:  # the library first: a record never names bytes that are not there yet
+            write_file(kernels, name, content, 0o755)
+            write_file(kernels, Path(name).with_suffix(".sha256").name, _fingerprint(content), 0o644)
+        except OSError as error:  # the next process builds again
+            logger.debug("peft-neuroada: could not cache the C kernels (%s)", error)
     return lib
 
 
@@ -162,34 +204,47 @@ def _torch_ops_serve(reason: str, advice: str = "") -> None:
 
 
 def _load(cc: list[str] | None) -> ctypes.CDLL | None:
-    """The cached library where it passes its checks, else a new build that does (see the module docstring)."""
+    """The cached library where the cache is trusted and it passes its checks, else a new build that does (see the
+    module docstring)."""
     if cc is None:
         return _torch_ops_serve(f"no C compiler found (CC={os.environ.get('CC', '')!r}; set CC to one on PATH)")
     if SOURCE_TEXT is None:
         return _torch_ops_serve(f"{SOURCE} is missing")
     try:
-        folder = cache_dir()
+        folder = cache_root() / "kernels"
     except RuntimeError as error:  # no $PEFT_NEUROADA_CACHE, and Path.home() finds no home folder
         return _torch_ops_serve(f"no folder to cache the C kernels in ({error}); set PEFT_NEUROADA_CACHE to one")
-    rejected = ""
+    uncached = advice = ""  # why the cache is not used, and how to make it usable
     try:
-        path = folder / _library_name(cc)
-        if _matches_record(path):
-            try:
-                return _trusted(ctypes.CDLL(str(path)))
-            except Exception as error:  # a wrong library can fail in any way; it is rebuilt
-                rejected = f"the cached {path.name} failed: {error}"
-        elif path.exists():
-            rejected = f"the cached {path.name} does not match its record"
-        lib = _build(cc, path)
+        kernels = open_cache_folder(folder.name)
+    except UntrustedPath as error:
+        kernels = None
+        uncached = f"not using the kernel cache: {error}, so another user could have planted a library there"
+        advice = f"{error.advice}, or set PEFT_NEUROADA_CACHE to a folder only you can write"
+    except OSError as error:
+        kernels, uncached = None, f"not using the kernel cache ({error})"
+        advice = "set PEFT_NEUROADA_CACHE to a folder you can write"
+    rejected, level = "", logging.INFO
+    try:
+        name = _library_name(cc)
+        lib, rejected, level = (None, "", level) if kernels is None else _from_cache(kernels, folder / name)
+        if lib is None:
+            lib = _build(cc, name, kernels)
     except Exception as error:  # no failure of a build or a library may escape a dispatch
         output = getattr(error, "stderr", None)  # the compiler's, where it failed
         detail = f"{error} {output.decode(errors='replace')[-2000:]}" if isinstance(output, bytes) else str(error)
-        then = f"{rejected}, then " if rejected else ""
+        then = f"{uncached or rejected}, then " if uncached or rejected else ""
         reason = f"could not build working C kernels with {shlex.join(cc)} ({then}{detail})"
         return _torch_ops_serve(reason, f". Set CC to a working C compiler, or clear {folder}")
-    if rejected:
-        logger.info("peft-neuroada: rebuilt the C kernels (%s)", rejected)
+    finally:
+        if kernels is not None:
+            os.close(kernels)
+    if uncached:
+        logger.warning(
+            "peft-neuroada: %s; built the C kernels for this process only. To cache them: %s", uncached, advice
+        )
+    elif rejected:
+        logger.log(level, "peft-neuroada: rebuilt the C kernels (%s)", rejected)
     return lib
 
 
