@@ -202,6 +202,10 @@ def test_empty_placements_and_no_tokens_give_zeros(backend):
     case = Case(0, 5, 4, 2)
     assert kernels.sampled_grad(case.x, case.grad, case.cols, backend=backend).abs().sum() == 0
     assert kernels.bypass_forward(case.x, case.cols, None, case.delta, 4, backend=backend).shape == (0, 4)
+    # Adding into an empty `out`: empty storages all sit at address 0 yet share no memory.
+    out, grad_x = torch.empty(0, 4), torch.empty(0, 5)
+    assert kernels.bypass_forward(case.x, case.cols, None, case.delta, 4, out=out, backend=backend) is out
+    assert kernels.bypass_input_grad(case.grad, case.cols, None, case.delta, 5, out=grad_x, backend=backend) is grad_x
     none = Case(3, 5, 4, 2)
     empty_rows, empty_cols = torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2, dtype=torch.int64)
     out = kernels.bypass_forward(none.x, empty_cols, empty_rows, torch.zeros(0, 2), 4, backend=backend)

@@ -83,7 +83,9 @@ def _check(op: str, cols: Tensor, rows, d_out: int, values: dict[str, Tensor], o
     if tuple(out.shape) != out_shape or out.device != cols.device or not out.is_floating_point():
         raise ValueError(f"{op}: out must be a floating {out_shape} tensor on {cols.device}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")  # fmt: skip
-    if any(t.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for t in values.values()):
+    # (an empty storage has no memory: its address is 0, the same as every other empty one's)
+    address = out.untyped_storage().data_ptr()
+    if address and any(t.untyped_storage().data_ptr() == address for t in values.values()):
         raise ValueError(f"{op}: out shares memory with an input; pass a separate tensor")
 
 
