@@ -17,18 +17,36 @@ from .atomic_file import commit_config
 from .loading import SavedDeltas, saved_deltas
 from .selection import STRATEGIES
 
+# The paper's projections (attention q/k/v/o, MLP gate/up/down) under the names transformers 5 gives them.
 LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Defaults for `target_modules=None`, as peft's TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING tables.
+# Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Defaults for `target_modules=None`, as peft's TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING tables (transformers
+# 5 names). MoE models keep attention and any dense or shared-expert MLP here; their experts are parameters (below).
 TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
-    **dict.fromkeys("llama mistral mixtral qwen2 qwen3 gemma gemma2 gemma3_text olmo2".split(), LLAMA_STYLE_TARGETS),
+    **dict.fromkeys(
+        "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text olmo2 mixtral qwen2_moe qwen3_moe gpt_oss olmoe "
+        "granitemoe phimoe".split(),
+        LLAMA_STYLE_TARGETS,
+    ),
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    # DeepSeek's multi-head latent attention projects q and kv through a low-rank pair each.
+    **dict.fromkeys(
+        ("deepseek_v2", "deepseek_v3"),
+        ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *LLAMA_STYLE_TARGETS[4:]],
+    ),
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **dict.fromkeys(("bert", "roberta"), ["query", "key", "value", "dense"]),
 }
+# MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
+EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def default_targets(model_type: str | None) -> set[str]:
-    """The modules adapted when `target_modules` is None; unknown architectures get LLAMA_STYLE_TARGETS."""
-    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, LLAMA_STYLE_TARGETS))
+    """The modules adapted when `target_modules` is None; unknown architectures get the paper's projections under
+    their separate and fused names."""
+    fallback = [*LLAMA_STYLE_TARGETS, *FUSED_PROJECTIONS]
+    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, fallback))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one dtype table
@@ -50,6 +68,11 @@ class NeuroAdaConfig(PeftConfig):
     k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
     target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")
     exclude_modules: list[str] | str | None = _field(None, "Module names or regex to leave untouched.")
+    target_parameters: list[str] | None = _field(
+        None,
+        "Parameters to adapt by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), top-k per "
+        "neuron of each expert. None with target_modules None: the model's expert projections.",
+    )
     layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
     layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
     selection: str = _field("magnitude", f"One of {STRATEGIES}; 'gradient' needs select_by_gradient.")
@@ -86,6 +109,10 @@ class NeuroAdaConfig(PeftConfig):
                 f"None, a string (a regex, or 'all-linear') or {names}",
             ),
             "exclude_modules": (_is_none_or_names(self.exclude_modules, str, list, set), f"None, a regex or {names}"),
+            "target_parameters": (
+                _is_none_or_names(self.target_parameters, list, set, tuple),
+                "None or a list of parameter names (e.g. ['experts.gate_up_proj', 'experts.down_proj'])",
+            ),
             "layers_to_transform": (
                 self.layers_to_transform is None or all(_is_int(i) and i >= 0 for i in layers),
                 "None, a layer index (an integer >= 0) or a list of layer indices",

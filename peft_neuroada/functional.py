@@ -260,14 +260,19 @@ def _storage(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _positions(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Where the placement's entries sit in `_storage(weight)`, shaped like the deltas (any strides, any neurons)."""
+    """Where the placement's entries sit in `_storage(weight)`, shaped like the deltas (any strides, any neurons). A
+    stack of experts' weights (E, d_out, d_in) counts its neurons expert after expert: neuron `e * d_out + i`."""
     cols = placement.cols
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
+    if weight.dim() == 3:
+        expert, rows = rows.div(weight.shape[1], rounding_mode="floor"), rows.remainder(weight.shape[1])
+        return (expert * weight.stride(0) + rows * weight.stride(1))[:, None] + cols.long() * weight.stride(2)
     return rows[:, None] * weight.stride(0) + cols.long() * weight.stride(1)
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The entries of a (d_out, d_in) `weight` at the placement, shaped like the deltas."""
+    """The entries of a (d_out, d_in) `weight` (or an (E, d_out, d_in) stack) at the placement, shaped like the
+    deltas."""
     return _storage(weight)[_positions(weight, placement)]
 
 

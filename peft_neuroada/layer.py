@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
@@ -35,7 +35,8 @@ _TEST_INIT_STD = 0.05
 BASE_ADAPTER_NAME = "__base__"
 LOAD_WEIGHTS_HINT = (
     "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
-    "CPU/disk offloading (for a model too large for your GPU, load it quantized instead)."
+    "CPU/disk offloading (for a model too large for your GPU, load it quantized, or load it on the CPU, add the "
+    "adapter, and then offload the PeftModel with accelerate's dispatch_model, cpu_offload or disk_offload)."
 )
 
 
@@ -76,8 +77,25 @@ def unreadable_weight(base: nn.Module) -> str | None:
     if isinstance(hook, AlignDevicesHook) and hook.offload:
         return "it is offloaded by accelerate"
     if base.weight.is_meta:
-        return "it is on the meta device (not loaded)"
+        return "it is on the meta device (offloaded or not loaded)"
     return None
+
+
+# The containers of an adapter's tensors: the layer reads them, it never calls them.
+_CONTAINERS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
+
+
+@contextmanager
+def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
+    """accelerate's hooks of `containers` run around the block as around a call: their tensors are in memory (on
+    the hooks' execution device) within it and offloaded again after it."""
+    for container in containers:
+        container._hf_hook.pre_forward(container)
+    try:
+        yield
+    finally:
+        for container in containers:
+            container._hf_hook.post_forward(container, None)
 
 
 class LayerRuntime:
@@ -118,12 +136,27 @@ class NeuroAdaLayer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
-        self.in_features, self.out_features = _get_in_out_features(self.get_base_layer())
+        self.in_features, self.out_features = self.in_out_features()
+
+    def in_out_features(self) -> tuple[int, int]:
+        """d_in and d_out of the frozen weight (every neuron a row)."""
+        return _get_in_out_features(self.get_base_layer())
+
+    def offloaded_containers(self) -> list[nn.Module]:
+        """The adapter's containers accelerate hooked (`cpu_offload`, `disk_offload`, `dispatch_model` after the
+        adapter was added): its hooks bring a module's tensors in when the module is called, and these are only
+        read, so visits run the hooks themselves (`onloaded`)."""
+        modules = self._modules  # (not `self.neuroada_delta`: nn.Module.__getattr__, at every visit)
+        return [modules[name] for name in _CONTAINERS if "_hf_hook" in vars(modules[name])]
 
     def weight_out_in(self) -> torch.Tensor:
         """The frozen weight as a (d_out, d_in) view, whatever the layer's storage layout."""
         weight = self.get_base_layer().weight
         return weight.T if self.fan_in_fan_out else weight
+
+    def unreadable(self) -> str | None:
+        """Why the frozen weight's values cannot be read to select inputs (None: they can)."""
+        return unreadable_weight(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
         """The (d_out, d_in) weight without merged adapters (a copy while some are): selection reads base weights."""
@@ -161,7 +194,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                 f"NeuroAda k={config.k} exceeds the {k} inputs of a {kind} layer; using k={k} (every input) for it."
             )
             warnings.warn(message, stacklevel=2)
-        if reason := unreadable_weight(self.get_base_layer()):
+        if reason := self.unreadable():
             raise ValueError(
                 f"NeuroAda cannot select inputs for layer '{self.layer_name}': {reason}. {LOAD_WEIGHTS_HINT}"
             )
@@ -187,8 +220,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         if quantized is not None:
             keep_standard_layout(self.get_base_layer())
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
-        with gather_params_ctx(self.get_base_layer().weight, modifier_rank=None):
-            weight = self.base_weight() if quantized is None else quantized
+        with gather_params_ctx(self.weight_out_in(), modifier_rank=None):
+            weight = self.base_weight().reshape(-1, self.in_features) if quantized is None else quantized
             cols = select_inputs(weight if rows is None else weight[rows.long()], k, strategy, generator)
             self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
         if rows is not None:
@@ -196,7 +229,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         return (self.out_features if rows is None else rows.numel()), weight.dtype
 
     def _initial_delta(self, adapter_name: str, neurons: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        delta = torch.zeros(neurons, k, dtype=dtype, device=self.get_base_layer().weight.device)
+        delta = torch.zeros(neurons, k, dtype=dtype, device=self.weight_out_in().device)
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
@@ -229,6 +262,12 @@ class NeuroAdaLayer(BaseTunerLayer):
                 kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows))
             self._runtime.placements[adapter_name] = kept
         return kept[3]
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """peft deletes what `adapter_layer_names` and `other_param_names` name; the kept placement holds the index
+        tensors too, so it goes with them (peft refuses to delete a merged adapter, whose merge record must stay)."""
+        super().delete_adapter(adapter_name)
+        self._runtime.placements.pop(adapter_name, None)
 
     def placement_problem(
         self, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None
@@ -303,7 +342,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         return dense.T if self.fan_in_fan_out else dense
 
     def _weight_lock(self) -> WeightLock:
-        return self._runtime.lock.on(self.get_base_layer().weight.device)
+        return self._runtime.lock.on(self.weight_out_in().device)
 
     def _weight_writes(self, weight: torch.Tensor):  # inference tensors accept writes only in inference mode
         return torch.inference_mode() if weight.is_inference() else torch.no_grad()
@@ -456,10 +495,12 @@ class Linear(nn.Module, NeuroAdaLayer):
         return self._adapted(x, active, *args, **kwargs)
 
     def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
-        placements = [self.placement(name) for name in adapters]
-        deltas = [self.neuroada_delta[name] for name in adapters]
-        inplace = all(self.inplace_forward[name] for name in adapters)
-        return adapted_linear(self.frozen(), x, placements, deltas, self.out_features, inplace, *args, **kwargs)
+        offloaded = self.offloaded_containers()
+        with onloaded(offloaded) if offloaded else nullcontext():
+            placements = [self.placement(name) for name in adapters]
+            deltas = [self.neuroada_delta[name] for name in adapters]
+            inplace = all(self.inplace_forward[name] for name in adapters)
+            return adapted_linear(self.frozen(), x, placements, deltas, self.out_features, inplace, *args, **kwargs)
 
     def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list[str], *args: Any, **kwargs: Any):
         """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""
@@ -472,6 +513,8 @@ class Linear(nn.Module, NeuroAdaLayer):
             raise ValueError(
                 "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
             )
+        if not adapter_names:  # no rows: the base layer's empty output, shaped and typed as LoRA's
+            return frozen_output(self.frozen(), x, *args, **kwargs)
         rows_of: dict[str, list[int]] = {}
         for row, name in enumerate(adapter_names):
             rows_of.setdefault(name, []).append(row)

@@ -25,11 +25,15 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
 
 from .config import (
+    EXPERT_PROJECTIONS,
+    FUSED_PROJECTIONS,
+    LLAMA_STYLE_TARGETS,
     PREFIX,
     TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
     NeuroAdaConfig,
     default_targets,
 )
+from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
 from .layer import BASE_ADAPTER_NAME, LOAD_WEIGHTS_HINT, Linear, MixedBatch, NeuroAdaLayer, serving, unreadable_weight
 from .loading import check_saved_deltas, check_saved_tensors
 from .peft_compat import PeftCompat, without_wrapper_names
@@ -53,9 +57,35 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
-        if peft_config.target_modules is None:
+        """Defaults: the paper's projections the model has, its experts' included; a new adapter that leaves some out
+        says which, once."""
+        defaulted = peft_config.target_modules is None
+        if defaulted:
             peft_config.target_modules = default_targets(model_config.get("model_type"))
+            if peft_config.target_parameters is None:
+                peft_config.target_parameters = sorted({short for short, _ in expert_projections(self.model)}) or None
+        if not peft_config.inference_mode and (left_out := left_out_projections(self.model, peft_config, defaulted)):
+            warnings.warn(
+                f"NeuroAda leaves these projections of the model unadapted: {', '.join(left_out[:6])}"
+                f"{f' and {len(left_out) - 6} more' if len(left_out) > 6 else ''}. To adapt them, add their names to "
+                "target_modules (layers) or target_parameters (MoE experts' 3-D weights, e.g. "
+                "'experts.gate_up_proj'); to leave them out on purpose, this warning can be ignored.",
+                stacklevel=2,
+            )
         return peft_config
+
+    def _check_new_adapter_config(self, config: NeuroAdaConfig) -> None:
+        """As peft's LoRA: every adapter with target_parameters targets the same ones (their wrappers nest in one
+        order, which the saved keys encode)."""
+        super()._check_new_adapter_config(config)
+        for name, other in self.peft_config.items():
+            if other is not config and other.target_parameters and config.target_parameters:
+                if set(other.target_parameters) != set(config.target_parameters):
+                    raise ValueError(
+                        "NeuroAda adapters with target_parameters must all target the same parameters, but the new "
+                        f"adapter targets {sorted(config.target_parameters)} and adapter '{name}' "
+                        f"{sorted(other.target_parameters)}. Give it the same target_parameters."
+                    )
 
     def _pre_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         """Selection reads whole weights, before any layer is replaced: refuse sharded and offloaded models, layers
@@ -83,6 +113,9 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
                 unreadable[name] = reason
             elif hasattr(base, "weight") and (reason := unreadable_quantized_weight(base)):
                 unready[name] = reason
+        for key, param in targeted_parameters(model, config):
+            if param.is_meta:
+                unreadable[key] = "it is on the meta device (offloaded or not loaded)"
         if unsupported:
             raise TypeError(
                 f"NeuroAda cannot adapt the quantized layers {_listed(unsupported)}. Supported quantized bases: "
@@ -117,10 +150,14 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
         current_key: str,
         **optional_kwargs: Any,
     ) -> None:
-        if isinstance(target, NeuroAdaLayer):
+        parameter_name = optional_kwargs.get("parameter_name")
+        if isinstance(target, NeuroAdaLayer) and getattr(target, "parameter_name", None) == parameter_name:
             target.update_layer(adapter_name, config, layer_name=current_key)
             return
-        new_module = self._create_new_module(config, adapter_name, target, current_key)
+        if parameter_name is not None:
+            new_module = ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
+        else:
+            new_module = self._create_new_module(config, adapter_name, target, current_key)
         new_module.requantize_with = torchao_config_of(self.model)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
@@ -251,6 +288,8 @@ class NeuroAdaModel(PeftCompat, BaseTuner):
             return
         if self.training:
             raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        if any(isinstance(module, ParamWrapper) for module in self.model.modules()):
+            raise ValueError(MIXED_BATCH_REFUSAL)
         unexpected = {name for name in adapter_names if name != BASE_ADAPTER_NAME} - self.peft_config.keys()
         if unexpected:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
@@ -303,6 +342,58 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
 
 
+def targeted_parameters(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `config.target_parameters` names in `model`, matched as peft matches them (by full name or
+    name suffix), under their names without peft's wrapper levels."""
+    targets = config.target_parameters or ()
+    return [
+        (name, param)
+        for name, param in _parameters_without_wrappers(model)
+        if any(name == target or name.endswith(f".{target}") for target in targets)
+    ]
+
+
+def expert_projections(model: nn.Module) -> list[tuple[str, str]]:
+    """The model's MoE expert weights that are projections of the paper's set: (e.g. 'experts.gate_up_proj', full
+    name) for every 3-D parameter named in EXPERT_PROJECTIONS."""
+    return [
+        (".".join(name.split(".")[-2:]), name)
+        for name, param in _parameters_without_wrappers(model)
+        if param.dim() == 3 and name.rpartition(".")[2] in EXPERT_PROJECTIONS
+    ]
+
+
+def left_out_projections(model: nn.Module, config: NeuroAdaConfig, defaulted: bool) -> list[str]:
+    """Projections `config` would leave unadapted: expert weights it does not target, and, for the default targets,
+    layers named as the paper's projections (for named targets, fused layers holding a named part, e.g. Phi-3's
+    qkv_proj for 'q_proj')."""
+    targeted = {name for name, _ in targeted_parameters(model, config)}
+    declined = config.target_parameters is not None and not config.target_parameters  # [] names no expert on purpose
+    left_out = [] if declined else [name for _, name in expert_projections(model) if name not in targeted]
+    if config.layers_to_transform is not None or config.exclude_modules:
+        return left_out  # a chosen subset of layers: only the experts are worth a word
+    adapted = {name for name, _ in targeted_modules(model, config)}
+    if defaulted:
+        wanted = {*LLAMA_STYLE_TARGETS, *FUSED_PROJECTIONS}
+    elif isinstance(config.target_modules, (set, list)):
+        named = set(config.target_modules)
+        wanted = {fused for fused, parts in FUSED_PROJECTIONS.items() if named & set(parts)}
+    else:
+        wanted = set()
+    for name, module in model.named_modules():
+        unwrapped = name.replace(".base_layer", "")
+        if isinstance(module, (nn.Linear, Conv1D)) and name.rpartition(".")[2] in wanted and unwrapped not in adapted:
+            left_out.append(unwrapped)
+    return left_out
+
+
+def _parameters_without_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The model's parameters, named as in the model before any NeuroAda layer wrapped them."""
+    for name, param in model.named_parameters():
+        if PREFIX not in name:
+            yield name.replace(".base_layer", "").replace(".parametrizations.", ".").removesuffix(".original"), param
+
+
 def _listed(reasons: dict[str, str]) -> str:
     """The layers and why, for an error message: each reason once, after the first few layers it applies to."""
     by_reason: dict[str, list[str]] = {}
@@ -344,5 +435,5 @@ def mark_shared_weights(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, NeuroAdaLayer):
             base = module.get_base_layer()
-            others = {name for name, holder in holders.get(_storage_key(base.weight), []) if holder is not base}
-            module.weight_shared_with = tuple(sorted(others))
+            held = holders.get(_storage_key(module.weight_out_in()), [])
+            module.weight_shared_with = tuple(sorted({name for name, holder in held if holder is not base}))

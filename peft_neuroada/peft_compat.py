@@ -17,6 +17,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from . import safe_io
+from .experts import ParamWrapper
 from .layer import NeuroAdaLayer
 from .loading import SAVED_TENSORS, check_layer_state
 
@@ -118,9 +119,11 @@ class PeftCompat(BaseTuner):
 
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
         """Unloading a `modules_to_save` (or trainable-tokens) wrapper, peft gives the module the wrapper's `weight`,
-        which fails for a head without one (RoBERTa's classification head, the paper's GLUE runs): the module only
-        goes back in place."""
-        if isinstance(child, AuxiliaryTrainingWrapper):
+        which fails for a head without one (RoBERTa's classification head, the paper's GLUE runs), and for an experts
+        module unwrapped from `ParamWrapper`s (LoRA's model handles its own): the module only goes back in place."""
+        if isinstance(child, AuxiliaryTrainingWrapper) or (
+            isinstance(child, ParamWrapper) and new_module is not child
+        ):
             setattr(parent, child_name, new_module)
             return
         super()._replace_module(parent, child_name, new_module, child)

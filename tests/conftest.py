@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertConfig,
@@ -71,6 +73,25 @@ def tiny_llama(**overrides) -> LlamaForCausalLM:
         "max_position_embeddings": 64,
     }
     return LlamaForCausalLM(LlamaConfig(**(defaults | overrides))).eval()
+
+
+# Tiny MoE configs in transformers 5's layouts: experts as 3-D parameters, (E, d_out, d_in) or, for GPT-OSS,
+# (E, d_in, d_out) (`is_transposed`).
+TINY_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+}
+
+
+def tiny_causal_lm(model_type: str, **options):
+    """A random 2-layer model of any transformers architecture (MoE ones with 4 experts, 2 per token), vocab 100."""
+    torch.manual_seed(0)
+    sizes = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config = AutoConfig.for_model(model_type, vocab_size=100, pad_token_id=0, **sizes, **TINY_MOE.get(model_type, {}))
+    return AutoModelForCausalLM.from_config(config, **options).eval()
 
 
 def tiny_bert() -> BertModel:

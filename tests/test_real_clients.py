@@ -19,7 +19,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from tests.conftest import logits, save_tiny_llama, tiny_llama
+from tests.conftest import logits, save_tiny_llama, tiny_causal_lm, tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,13 +130,14 @@ with torch.no_grad():
 """
 
 
-def test_transformers_loads_an_adapter_in_a_process_that_never_imports_the_plugin(tmp_path):
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])  # a MoE model's experts adapted as 3-D parameters too
+def test_transformers_loads_an_adapter_in_a_process_that_never_imports_the_plugin(tmp_path, model):
     base = tmp_path / "base"
-    tiny_llama().save_pretrained(base)
+    (tiny_llama() if model == "llama" else tiny_causal_lm(model)).save_pretrained(base)
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(base), NeuroAdaConfig(k=2, init_weights=False)
     ).save_pretrained(tmp_path / "adapter")
-    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.save(tokens, tmp_path / "tokens.pt")
     expected = logits(
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter"), tokens

@@ -1,0 +1,184 @@
+"""NeuroAda on a parameter instead of a module: the 3-D expert weights of today's MoE models (transformers 5 keeps
+Mixtral's, Qwen3-MoE's and GPT-OSS's experts as one (E, d_out, d_in) or (E, d_in, d_out) parameter each), reached
+through `target_parameters` as with peft's LoRA.
+
+Each expert's neurons get their own k deltas, selected on that expert's rows: the stack is E * d_out neurons over
+d_in inputs, neuron `e * d_out + i` being row i of expert e. The experts' own forward (an eager loop, grouped_mm,
+...) cannot be replaced, so it runs on `W + P ⊙ Θ`, made per forward through torch's parametrization, as LoRA's
+`ParamWrapper` makes `W + B A`: one transient copy of the parameter per forward, whose gradient the experts' matmuls
+form densely and `_AddedAtPlacements` samples at the placements. Merging writes the same entries into the parameter
+and unmerging writes back the originals, bit for bit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .config import NeuroAdaConfig
+from .functional import Placement, placed_entries, write_placed_
+from .layer import NeuroAdaLayer
+
+MIXED_BATCH_REFUSAL = (
+    "NeuroAda target_parameters (expert weights) do not serve mixed batches (`adapter_names`), as peft's LoRA "
+    "ParamWrapper does not: run one adapter per call, or merge it."
+)
+
+
+class ParamWrapper(nn.Module, NeuroAdaLayer):
+    """NeuroAda on one parameter (`parameter_name`) of `base_layer`: a 3-D stack of expert weights, or a 2-D weight
+    (d_out, d_in). Named as peft's LoRA names its own: peft finds the wrapper of a parameter by this class name when a
+    further adapter targets it. Several parameters of one module nest one wrapper each, in peft's sorted order."""
+
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, parameter_name: str, config: NeuroAdaConfig, **kwargs: Any
+    ) -> None:
+        self.parameter_name = parameter_name
+        super().__init__()
+        NeuroAdaLayer.__init__(self, base_layer)
+        if config.fan_in_fan_out:
+            raise ValueError(
+                f"NeuroAda target_parameters take the layout from the experts module (its `is_transposed`), not "
+                f"fan_in_fan_out: set fan_in_fan_out=False to adapt '{parameter_name}'."
+            )
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_name=kwargs.get("layer_name", ""))
+
+    def get_param(self) -> nn.Parameter:
+        return getattr(self.get_base_layer(), self.parameter_name)
+
+    def in_out_features(self) -> tuple[int, int]:
+        """d_in and the neurons of the whole stack (E * d_out)."""
+        shape = self.weight_out_in().shape
+        return shape[-1], shape[:-1].numel()
+
+    def weight_out_in(self) -> torch.Tensor:
+        """The parameter as a (d_out, d_in) weight or an (E, d_out, d_in) stack of them (a view, never a copy):
+        experts modules marked `is_transposed` (GPT-OSS) hold (E, d_in, d_out)."""
+        param = self.get_param()
+        if param.dim() not in (2, 3) or not param.dtype.is_floating_point:
+            raise TypeError(
+                f"NeuroAda can adapt a 2-D or 3-D floating-point parameter, but '{self.parameter_name}' of "
+                f"{type(self.get_base_layer()).__name__} is {param.dtype} {tuple(param.shape)}. Remove it from "
+                "target_parameters."
+            )
+        return param.transpose(1, 2) if self._transposed() else param
+
+    def _transposed(self) -> bool:
+        return self.get_param().dim() == 3 and bool(getattr(self.get_base_layer(), "is_transposed", False))
+
+    @property
+    def num_experts(self) -> int:
+        weight = self.weight_out_in()
+        return weight.shape[0] if weight.dim() == 3 else 1
+
+    def unreadable(self) -> str | None:
+        return "it is on the meta device (not loaded)" if self.get_param().is_meta else None
+
+    def quantized(self) -> None:
+        return None  # quantized expert stacks are refused by `weight_out_in` (not floating point)
+
+    def _get_base_layer_device_and_dtype(self, base_layer: nn.Module) -> tuple[torch.device, torch.dtype]:
+        param = self.get_param()
+        return param.device, param.dtype
+
+    def check_reselectable(self, adapter_name: str) -> None:
+        raise ValueError(
+            f"Gradient selection does not reach NeuroAda expert weights ('{self.layer_name}'): the experts' own "
+            "forward hides each expert's input. Use selection='magnitude' for target_parameters, or leave them out "
+            "of this adapter (target_parameters=[])."
+        )
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The adapter as a dense tensor shaped like the parameter (for inspection and tests)."""
+        delta = self.neuroada_delta[adapter_name].detach()
+        dense = torch.zeros_like(self.get_param(), dtype=delta.dtype)
+        write_placed_(self._oriented(dense), self.placement(adapter_name), delta)
+        return dense
+
+    def _oriented(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like the parameter, seen as `weight_out_in` sees the parameter."""
+        return tensor.transpose(1, 2) if self._transposed() else tensor
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.pop("adapter_names", None) is not None:
+            raise ValueError(MIXED_BATCH_REFUSAL)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        active = [name for name in self.active_adapters if name in self.neuroada_delta]
+        if self.merged or not active:
+            return self.base_layer(x, *args, **kwargs)
+        if self.offloaded_containers() or self.get_param().is_meta:
+            raise ValueError(
+                f"NeuroAda expert weights ('{self.layer_name}') cannot run offloaded by accelerate (cpu_offload, "
+                "disk_offload, a device_map with offloaded modules): their deltas are added to the experts' "
+                "parameter, which offloading replaces. Nothing was computed. Merge first and offload the plain model "
+                "(`model.merge_and_unload()`), or keep the MoE layers in memory."
+            )
+        with self._deltas_added(active):
+            return self.base_layer(x, *args, **kwargs)
+
+    @contextmanager
+    def _deltas_added(self, adapters: list[str]):
+        """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
+        read); the parameter itself is not written. The lock keeps concurrent calls from parametrizing it twice."""
+        placements = tuple(self.placement(name) for name in adapters)
+        deltas = tuple(self.neuroada_delta[name] for name in adapters)
+        added = _DeltasAdded(self._transposed(), placements, deltas)
+        base, name = self.get_base_layer(), self.parameter_name
+        with self._weight_lock():
+            parametrize.register_parametrization(base, name, added, unsafe=True)
+            try:
+                with parametrize.cached():
+                    yield
+            finally:
+                parametrize.remove_parametrizations(base, name, leave_parametrized=False)
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        start = text.find("(") + 1
+        return f"neuroada.{text[:start]}\n  parameter_name='{self.parameter_name}',{text[start:]}"
+
+
+class _DeltasAdded(nn.Module):
+    """The parametrization: the parameter with the deltas added at their placements (in its dtype, as a merge adds
+    them, so the unmerged and the merged model compute the same)."""
+
+    def __init__(self, transposed: bool, placements: tuple[Placement, ...], deltas: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.transposed, self.placements, self.deltas = transposed, placements, deltas
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return _AddedAtPlacements.apply(weight, self.transposed, self.placements, *self.deltas)
+
+
+class _AddedAtPlacements(torch.autograd.Function):
+    """`W + Σ P ⊙ Θ` as a new tensor; backward samples the incoming dense gradient at each placement."""
+
+    @staticmethod
+    def forward(ctx, weight, transposed, placements, *deltas):
+        added = weight.detach().clone(memory_format=torch.contiguous_format)
+        oriented = added.transpose(1, 2) if transposed else added
+        for placement, delta in zip(placements, deltas, strict=True):
+            write_placed_(oriented, placement, placed_entries(oriented, placement) + delta.detach().to(added.dtype))
+        ctx.transposed, ctx.placements = transposed, placements
+        ctx.delta_dtypes = [delta.dtype for delta in deltas]
+        return added
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        oriented = grad.transpose(1, 2) if ctx.transposed else grad
+        grads = [
+            placed_entries(oriented, placement).to(dtype) if needed else None
+            for placement, dtype, needed in zip(
+                ctx.placements, ctx.delta_dtypes, ctx.needs_input_grad[3:], strict=True
+            )
+        ]
+        return grad if ctx.needs_input_grad[0] else None, None, None, *grads
