@@ -2,7 +2,8 @@
 
     python benchmarks/train_cost.py --model smollm2
     python benchmarks/train_cost.py --model large-random --json outputs/large.json
-    python benchmarks/train_cost.py --tiny            # smoke test, a few seconds per variant
+    python benchmarks/train_cost.py --model qwen3-moe # a random 0.39B Qwen3-MoE: experts through target_parameters
+    python benchmarks/train_cost.py --tiny            # smoke test, a few seconds per variant (--model tiny-moe: MoE)
 
 Each variant runs in fresh processes (forked on the CPU: the coordinator imports the libraries, all of them before the
 first fork so every variant runs the same code, but never runs a tensor op; spawned for CUDA), so allocator state,
@@ -35,7 +36,7 @@ import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
 from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, Result, RunSpec, run_all
 from cost.report import check_targets, format_checks, format_table
-from cost.variants import QUANTIZATIONS, VARIANTS
+from cost.variants import DENSE_ONLY, MOE_MODELS, QUANTIZATIONS, VARIANTS
 
 from peft_neuroada.config import DTYPES
 
@@ -66,7 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     add_step_options(parser)
     parser.add_argument("--tiny", action="store_true", help="Smoke mode: same as --model tiny.")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        help="Default: all (on a MoE model all but those that reach nn.Linear layers only: "
+        f"{', '.join(sorted(DENSE_ONLY))}).",
+    )
     parser.add_argument("--warmup", type=int, help="Untimed training steps before the timed ones.")
     parser.add_argument("--steps", type=int, help="Timed training steps; the median is reported.")
     parser.add_argument("--infer-steps", type=int, help="Timed no-grad forwards (0 skips inference timing).")
@@ -89,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tiny:
         args.model = "tiny"
+    moe = args.model in MOE_MODELS
+    if args.variants is None:
+        args.variants = [name for name in VARIANTS if not (moe and name in DENSE_ONLY)]
+    elif moe and (refused := [name for name in args.variants if name in DENSE_ONLY]):
+        parser.error(
+            f"--model {args.model} keeps its experts as 3-D parameters, which {', '.join(refused)} cannot adapt (they "
+            "reach nn.Linear layers only, so they would tune attention alone): leave them out"
+        )
     for key, default in asdict(MODEL_DEFAULTS[args.model]).items():
         if getattr(args, key) is None:
             setattr(args, key, default)

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import copy
+
 from peft.tuners.tuners_utils import _get_in_out_features
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .config import NeuroAdaConfig
-from .model import targeted_modules
+from .model import expert_projections, targeted_modules, targeted_parameters
 from .selection import tuned_neuron_count
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
-    """(d_out, d_in) of every layer `config` would adapt in `model`, from the layers' feature counts: a quantized
-    weight (bitsandbytes 4-bit) is stored packed, in a tensor of another shape."""
-    return [
+    """(d_out, d_in) of every weight `config` would adapt in `model`: each layer, from its feature counts (a quantized
+    weight, bitsandbytes 4-bit, is stored packed in a tensor of another shape), and each expert of a targeted expert
+    stack on its own (NeuroAda tunes k entries per neuron of each expert; LoRA trains a rank-r pair per expert)."""
+    shapes = [
         _get_in_out_features(module)[::-1]
         for _, module in targeted_modules(model, config)
         if isinstance(module, (nn.Linear, Conv1D))
     ]
+    if config.target_modules is None and config.target_parameters is None:  # the defaults injection resolves
+        config = copy.deepcopy(config)
+        config.target_parameters = [short for short, _ in expert_projections(model)]
+    for name, param in targeted_parameters(model, config):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        d_out, d_in = param.shape[-2:][::-1] if getattr(owner, "is_transposed", False) else param.shape[-2:]
+        shapes += [(d_out, d_in)] * (param.shape[0] if param.dim() == 3 else 1)
+    return shapes
 
 
 def neuroada_parameter_count(shapes: list[tuple[int, int]], k: int, neuron_fraction: float = 1.0) -> int:

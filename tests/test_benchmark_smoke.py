@@ -64,6 +64,36 @@ def test_tiny_benchmark_reports_every_variant(tmp_path: Path) -> None:
     assert results["paper-scatter-k20"]["trainable_params"] == budget
 
 
+def test_the_moe_benchmark_adapts_attention_and_every_expert_at_matched_budgets(tmp_path: Path) -> None:
+    """`--model qwen3-moe`'s dry run: a tiny Qwen3-MoE (2 layers, 4 experts of 64 -> 2 x 32 -> 64, attention 64 ->
+    64/32/32/64) whose experts are 3-D parameters, adapted by NeuroAda and LoRA through target_parameters."""
+    report = tmp_path / "moe.json"
+    command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--model", "tiny-moe", "--threads", "1"]
+    command += ["--variants", "floor", "neuroada-k1", "neuroada-k20", "lora-budget"]
+    command += ["--warmup", "0", "--steps", "1", "--infer-steps", "1", "--json", str(report)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = {r["variant"]: r for r in json.loads(report.read_text())["results"]}
+    for name, result in results.items():
+        assert result["error"] is None, f"{name}: {result['error']}"
+        assert math.isfinite(result["step_cpu_s"]) and result["step_cpu_s"] > 0, name
+    # k per neuron of attention (192 neurons a layer) and of every expert (4 x (64 + 64) neurons a layer), 2 layers
+    neurons = 2 * (192 + 4 * 128)
+    assert results["neuroada-k1"]["trainable_params"] == neurons
+    assert results["neuroada-k20"]["trainable_params"] == 20 * neurons
+    # LoRA at rank r: r (d_in + d_out) per attention layer (448 r a layer) and per expert (4 x (128 + 96) r a layer)
+    assert results["lora-budget"]["label"] == "lora r=10 (budget)"
+    assert results["lora-budget"]["trainable_params"] == 10 * 2 * (448 + 4 * 224)
+
+    refused = subprocess.run(
+        [sys.executable, "-W", "ignore", str(BENCHMARK), "--model", "tiny-moe", "--variants", "shira-budget"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 2 and "shira-budget cannot adapt" in refused.stderr, refused.stderr[-3000:]
+
+
 def test_targets_whose_metric_was_not_measured_are_left_out_not_failed(tmp_path: Path) -> None:
     report = tmp_path / "no-inference.json"
     command = [sys.executable, "-W", "ignore", str(BENCHMARK), "--tiny", "--threads", "1"]

@@ -17,6 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch.nn.utils import parametrize
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, select_by_gradient
+from peft_neuroada.budget import neuroada_parameter_count, targeted_shapes
 from peft_neuroada.experts import ParamWrapper
 from peft_neuroada.functional import placed_entries
 
@@ -298,3 +299,10 @@ def test_offloading_an_unmerged_expert_adapter_is_refused_naming_offloading_and_
     merged = model.merge_and_unload()
     getattr(accelerate, offload)(merged, execution_device="cpu", **options("merged"))
     torch.testing.assert_close(logits(merged, TOKENS), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_budgets_count_every_neuron_of_every_expert_as_the_adapter_creates_them(model_type):
+    shapes = targeted_shapes(tiny(model_type), NeuroAdaConfig(k=3))
+    model = quiet_peft_model(tiny(model_type), NeuroAdaConfig(k=3))
+    assert neuroada_parameter_count(shapes, 3) == sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -47,6 +47,8 @@ MODEL_DEFAULTS = {
     "large-random": ModelDefaults(batch=1, seq_len=256, warmup=2, steps=3, infer_steps=3),
     "llama-1b-random": ModelDefaults(batch=4, seq_len=512, warmup=3, steps=5, infer_steps=3),
     "tiny": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
+    "qwen3-moe": ModelDefaults(batch=1, seq_len=256, warmup=1, steps=3, infer_steps=2),
+    "tiny-moe": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
 }
 
 

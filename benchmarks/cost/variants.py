@@ -1,5 +1,9 @@
 """The variants the training-cost benchmark compares, each preparing a freshly loaded model: the frozen floor,
-NeuroAda, and every peer that spends the same sparse or low-rank parameter budget another way."""
+NeuroAda, and every peer that spends the same sparse or low-rank parameter budget another way.
+
+On a MoE model (`MOE_MODELS`: experts kept as 3-D parameters, as transformers 5 keeps Qwen3-MoE's) NeuroAda and LoRA
+adapt the attention projections and, through `target_parameters`, the experts' gate_up_proj and down_proj, at budgets
+that count every expert's neurons; the variants that can only reach `nn.Linear` layers (`DENSE_ONLY`) are refused."""
 
 from __future__ import annotations
 
@@ -10,12 +14,21 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, ShiraConfig, SupertuningConfig, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    BitsAndBytesConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
 from peft_neuroada.cache import cache_root
 from peft_neuroada.config import LLAMA_STYLE_TARGETS
+from peft_neuroada.model import expert_projections
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 
@@ -38,6 +51,27 @@ def llama_config(vocab: int, hidden: int, mlp: int, layers: int, heads: int, kv_
     )
 
 
+def qwen3_moe_config(
+    vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, experts: int, active: int, expert_mlp: int, **more
+):
+    """A Qwen3-MoE config of these sizes: every layer sparse (no dense MLP, no shared expert), head_dim hidden / heads
+    up to 64, the experts as transformers 5 keeps them (one (E, 2 * expert_mlp, hidden) gate_up_proj and one
+    (E, hidden, expert_mlp) down_proj parameter per layer), run by its default experts implementation."""
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=min(64, hidden // heads),
+        num_experts=experts,
+        num_experts_per_tok=active,
+        moe_intermediate_size=expert_mlp,
+        intermediate_size=expert_mlp,  # unused: no layer is a dense MLP
+        **more,
+    )
+
+
 RANDOM_CONFIGS = {
     # SmolLM2-135M's architecture with seeded random weights: the real model's costs where its package is missing
     # (a GPU machine, say).
@@ -47,7 +81,14 @@ RANDOM_CONFIGS = {
     # Llama-3.2-1B's shape (1.24B parameters), for GPU figures.
     "llama-1b-random": llama_config(128256, 2048, 8192, 16, 32, 8, 2048, tie_word_embeddings=True),
     "tiny": llama_config(256, 64, 128, 2, 4, 2, 128),
+    # A random Qwen3-MoE of 0.39B parameters (0.30B in the experts, 16 per layer, 2 active per token; 91M active per
+    # token with the LM head): Qwen3-30B-A3B's layout scaled down to step in seconds on a 2-core CPU.
+    "qwen3-moe": qwen3_moe_config(32000, 1024, 8, 16, 4, 16, 2, 768, max_position_embeddings=2048),
+    "tiny-moe": qwen3_moe_config(256, 64, 2, 4, 2, 4, 2, 32, max_position_embeddings=128),
 }
+MODEL_CLASSES = {LlamaConfig: LlamaForCausalLM, Qwen3MoeConfig: Qwen3MoeForCausalLM}
+# The models whose experts are 3-D parameters (reached through target_parameters, not as nn.Linear layers).
+MOE_MODELS = {name for name, config in RANDOM_CONFIGS.items() if isinstance(config, Qwen3MoeConfig)}
 
 
 # --------------------------------------------------------------------------------------------------- models
@@ -73,7 +114,8 @@ def build_model(name: str, dtype: torch.dtype, quantize: str | None = None) -> P
         model, _ = load_default_model(dtype=dtype)
         return model
     torch.manual_seed(0)
-    return LlamaForCausalLM(RANDOM_CONFIGS[name]).to(dtype)
+    config = RANDOM_CONFIGS[name]
+    return MODEL_CLASSES[type(config)](config).to(dtype)
 
 
 def saved_random_model(name: str) -> Path:
@@ -91,9 +133,40 @@ def targeted_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
+def expert_parameters(model: nn.Module) -> list[str]:
+    """The experts' 3-D projections every variant adapts on a MoE model, as target_parameters names (e.g.
+    'experts.gate_up_proj'); none on a dense model."""
+    return sorted({short for short, _ in expert_projections(model)})
+
+
+def module_targets(model: nn.Module) -> list[str]:
+    """The target_modules of NeuroAda and LoRA: TARGETS, or on a MoE model those of them that are its nn.Linear layers
+    (Qwen3-MoE: attention q/k/v/o). Named there, the experts' gate_proj/up_proj/down_proj would be read by peft's LoRA
+    as transformers 4's expert layers and turned into target_parameters, the fused gate_up_proj at twice the rank."""
+    if not expert_parameters(model):
+        return TARGETS
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in targeted_linears(model)})
+
+
+def budget_shapes(model: nn.Module, k: int = BUDGET_K) -> list[tuple[int, int]]:
+    """(d_out, d_in) of every weight the variants adapt, each expert of an expert stack on its own."""
+    config = NeuroAdaConfig(k=k, target_modules=module_targets(model), target_parameters=expert_parameters(model))
+    return targeted_shapes(model, config)
+
+
 def budget_rank(model: nn.Module, k: int = BUDGET_K) -> int:
-    """LoRA/SHiRA rank whose parameter count on the targeted layers comes closest to NeuroAda's with this k."""
-    return lora_rank_for_k(targeted_shapes(model, NeuroAdaConfig(k=k, target_modules=TARGETS)), k)
+    """LoRA/SHiRA rank whose parameter count on the adapted weights comes closest to NeuroAda's with this k."""
+    return lora_rank_for_k(budget_shapes(model, k), k)
+
+
+def refuse_experts(model: nn.Module, method: str) -> None:
+    """Variants that replace or wrap nn.Linear layers cannot reach experts kept as 3-D parameters: on such a model
+    they would tune attention alone and compare nothing."""
+    if experts := expert_parameters(model):
+        raise ValueError(
+            f"{method} adapts nn.Linear layers only and cannot reach this MoE model's experts ({', '.join(experts)}: "
+            "3-D parameters); run it on a dense model."
+        )
 
 
 def top_k_columns(weight: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,8 +201,17 @@ def peft_variant(model: PreTrainedModel, config, label: str) -> Setup:
 def neuroada(k: int, inplace: bool = True) -> Callable[[PreTrainedModel], Setup]:
     """NeuroAda on its default in-place path, or (inplace False) on the non-mutating path that threads, shared
     weights and inference tensors fall back to."""
-    config = NeuroAdaConfig(k=k, target_modules=TARGETS, inplace_forward=inplace)
-    return lambda model: peft_variant(model, config, f"neuroada k={k}" + ("" if inplace else ", non-mutating"))
+
+    def setup(model: PreTrainedModel) -> Setup:
+        config = NeuroAdaConfig(
+            k=k,
+            target_modules=module_targets(model),
+            target_parameters=expert_parameters(model) or None,
+            inplace_forward=inplace,
+        )
+        return peft_variant(model, config, f"neuroada k={k}" + ("" if inplace else ", non-mutating"))
+
+    return setup
 
 
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
@@ -144,7 +226,9 @@ def lora(rank: int | None) -> Callable[[PreTrainedModel], Setup]:
 
     def setup(model: PreTrainedModel) -> Setup:
         r = rank or budget_rank(model)
-        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS)
+        experts = expert_parameters(model) or None  # LoRA adapts no expert unless named
+        targets = module_targets(model)
+        config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets, target_parameters=experts)
         return peft_variant(model, config, f"lora r={r}" + ("" if rank else " (budget)"))
 
     return setup
@@ -155,6 +239,7 @@ def shira(rank: int | None = None, seed: int = 0) -> Callable[[PreTrainedModel],
     k=20's parameter count; `seed` draws its entries."""
 
     def setup(model: PreTrainedModel) -> Setup:
+        refuse_experts(model, "SHiRA (peft's ShiraConfig has no target_parameters)")
         r = rank or budget_rank(model)
         config = ShiraConfig(r=r, random_seed=seed, target_modules=TARGETS)
         return peft_variant(model, config, f"shira r={r}" + ("" if rank else " (budget)"))
@@ -167,6 +252,7 @@ def supertuning(k: int = BUDGET_K) -> Callable[[PreTrainedModel], Setup]:
     that gives it NeuroAda's parameter count with this k."""
 
     def setup(model: PreTrainedModel) -> Setup:
+        refuse_experts(model, "Super-Tuning (peft's SupertuningConfig has no target_parameters)")
         density = density_for_k(targeted_shapes(model, NeuroAdaConfig(k=k, target_modules=TARGETS)), k)
         config = SupertuningConfig(sparsity=1.0 - density, target_modules=TARGETS)
         return peft_variant(
@@ -193,6 +279,7 @@ class ScatterAddLinear(nn.Module):
 
 
 def paper_scatter_add(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
+    refuse_experts(model, "The paper code's scatter_add forward")
     model.requires_grad_(False)
     for name, layer in list(targeted_linears(model)):
         replace_module(model, name, ScatterAddLinear(layer, k))
@@ -201,6 +288,7 @@ def paper_scatter_add(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
 
 def mask_based(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
     """Sparse tuning the usual way: dense trainable weights whose gradients are masked to the top-k entries."""
+    refuse_experts(model, "Mask-based sparse tuning")
     model.requires_grad_(False)
     params = []
     for _, layer in targeted_linears(model):
@@ -231,3 +319,5 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "mask-k20": mask_based,
     "full": full_finetune,
 }
+# The variants refused on MOE_MODELS (`refuse_experts`).
+DENSE_ONLY = {"shira-budget", "supertuning-budget", "paper-scatter-k20", "mask-k20"}
