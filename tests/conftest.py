@@ -94,6 +94,18 @@ def tiny_causal_lm(model_type: str, **options):
     return AutoModelForCausalLM.from_config(config, **options).eval()
 
 
+# tiny_llama's modules with one decoder block on disk, as `from_pretrained(..., device_map=..., offload_folder=...)`
+# lays them out.
+TINY_LLAMA_DISK_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
+
+
 def tiny_bert() -> BertModel:
     torch.manual_seed(0)
     config = BertConfig(

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layer import Linear
-from tests.conftest import logits, neuroada_layers, tiny_llama
+from tests.conftest import TINY_LLAMA_DISK_MAP, logits, neuroada_layers, tiny_llama
 
 
 class Tagged(torch.Tensor):
@@ -165,16 +165,8 @@ def test_a_model_built_in_inference_mode_generates_merges_and_unmerges():
 def offloaded_llama(tmp_path):
     """Tiny Llama loaded with accelerate offloading one decoder layer to disk and one kept in CPU RAM."""
     tiny_llama().save_pretrained(tmp_path / "base")
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
     model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "base", device_map=device_map, offload_folder=tmp_path / "offload"
+        tmp_path / "base", device_map=TINY_LLAMA_DISK_MAP, offload_folder=tmp_path / "offload"
     )
     return model, tmp_path
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from tests.conftest import tiny_llama
+from tests.conftest import TINY_LLAMA_DISK_MAP, tiny_llama
 
 # Offloaded base layers are hooked, so NeuroAda layers take the non-mutating path on them; the reference takes it too
 # and the two agree bit for bit (the in-place path rounds W + Δ before the matmul: within 2e-7 on these models).
@@ -25,16 +25,8 @@ CONFIGS = {
     "neuroada": lambda: NeuroAdaConfig(k=2, init_weights=False, inplace_forward=False),
     "lora": lambda: LoraConfig(r=2, init_lora_weights=False),
 }
-# The tiny Llama's modules, one decoder block on disk (as `from_pretrained(..., device_map=..., offload_folder=...)`
-# lays it out), and the same modules under a PeftModel.
-DEVICE_MAP = {
-    "model.embed_tokens": "cpu",
-    "model.rotary_emb": "cpu",
-    "model.layers.0": "cpu",
-    "model.layers.1": "disk",
-    "model.norm": "cpu",
-    "lm_head": "cpu",
-}
+# The tiny Llama's modules with one decoder block on disk, and the same modules under a PeftModel.
+DEVICE_MAP = TINY_LLAMA_DISK_MAP
 PEFT_DEVICE_MAP = {f"base_model.model.{name}": device for name, device in DEVICE_MAP.items()}
 
 
