@@ -25,9 +25,10 @@ from common import interleaved_samples, markdown_table
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig, kernels
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.accel import kernels
+from peft_neuroada.accel.kernels import cpu as cpu_kernels
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.kernels import cpu as cpu_kernels
 
 
 @dataclass

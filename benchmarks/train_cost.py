@@ -38,7 +38,7 @@ from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, Result, RunSpec, run_al
 from cost.report import check_targets, format_checks, format_table
 from cost.variants import DENSE_ONLY, MOE_MODELS, QUANTIZATIONS, VARIANTS
 
-from peft_neuroada.config import DTYPES
+from peft_neuroada.tuner.config import DTYPES
 
 
 def add_step_options(parser: argparse.ArgumentParser) -> None:

@@ -1,22 +1,23 @@
-"""NeuroAda for PEFT: importing this package registers the NEUROADA tuner type with peft."""
+"""NeuroAda for PEFT: importing this package registers the NEUROADA tuner type with peft (and does nothing else)."""
 
 from .budget import k_for_budget
 from .config import NeuroAdaConfig
-from .gradient_selection import select_by_gradient
-from .layer import Linear, NeuroAdaLayer
+from .layers import Linear, ParamWrapper
 from .model import NeuroAdaModel
-from .peft_compat import route_safetensors_calls
 from .registration import register
+from .tuner.gradient_selection import select_by_gradient
+from .tuner.layer import Accelerator, NeuroAdaLayer
 
 NEUROADA = register()
-route_safetensors_calls()
 
 __all__ = [
     "NEUROADA",
+    "Accelerator",
     "Linear",
     "NeuroAdaConfig",
     "NeuroAdaLayer",
     "NeuroAdaModel",
+    "ParamWrapper",
     "k_for_budget",
     "register",
     "select_by_gradient",

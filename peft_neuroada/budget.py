@@ -8,9 +8,10 @@ from peft.tuners.tuners_utils import _get_in_out_features
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .config import NeuroAdaConfig
-from .model import expert_projections, targeted_modules, targeted_parameters
-from .selection import tuned_neuron_count
+from .tuner.config import NeuroAdaConfig
+from .tuner.experts import is_transposed
+from .tuner.model import expert_projections, targeted_modules, targeted_parameters
+from .tuner.selection import tuned_neuron_count
 
 
 def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int, int]]:
@@ -27,7 +28,7 @@ def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int,
         config.target_parameters = [short for short, _ in expert_projections(model)]
     for name, param in targeted_parameters(model, config):
         owner = model.get_submodule(name.rpartition(".")[0])
-        d_out, d_in = param.shape[-2:][::-1] if getattr(owner, "is_transposed", False) else param.shape[-2:]
+        d_out, d_in = param.shape[-2:][::-1] if is_transposed(owner, param) else param.shape[-2:]
         shapes += [(d_out, d_in)] * (param.shape[0] if param.dim() == 3 else 1)
     return shapes
 

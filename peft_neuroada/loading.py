@@ -19,8 +19,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .atomic_file import weights_to_read
-from .index_storage import index_problem, saved_columns, to_buffer
-from .selection import INDEX_DTYPE, tuned_neuron_count
+from .tuner.index_storage import BUFFER_DTYPE, PACKED_DTYPE, PACKS_PAIRS, index_dtype, to_buffer
+from .tuner.selection import INDEX_DTYPE, tuned_neuron_count
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
 SAVED_TENSORS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
@@ -178,3 +178,49 @@ def check_saved_deltas(config, targeted: Iterable[tuple[str, nn.Module]]) -> Non
                 "the adapter was trained with, or save the adapter again from the model it was trained in. Nothing "
                 "was loaded or changed."
             )
+
+
+def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int], d_in: int) -> str | None:
+    """How `buffer` differs from `to_buffer`'s for (n, k) columns of `d_in` inputs, or None. Dtype and size must
+    match exactly: viewed as int16 pairs, a cast or resized buffer would read as other columns."""
+    n, k = shape
+    packed = index_dtype(d_in) == PACKED_DTYPE and PACKS_PAIRS
+    expected = (n * k + 1) // 2 if packed else (n, k)
+    held = buffer.numel() if packed else tuple(buffer.shape)
+    if buffer.dtype != BUFFER_DTYPE or buffer.dim() != (1 if packed else 2) or held != expected:
+        wanted = f"{expected} int32 pairs of int16 columns" if packed else f"int32 columns of shape {expected}"
+        return f"is a {buffer.dtype} tensor of shape {tuple(buffer.shape)}, where {wanted} belong"
+    return None
+
+
+def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The (n, k) columns a saved index tensor (packed or (n, k)) holds, unpacked whatever the machine's byte order."""
+    n, k = shape
+    if saved.dim() == 2:
+        if tuple(saved.shape) != (n, k):
+            raise ValueError(f"holds columns of shape {tuple(saved.shape)}, not {(n, k)}")
+        return saved
+    if saved.dim() != 1 or saved.dtype not in (BUFFER_DTYPE, torch.int64) or saved.numel() != (n * k + 1) // 2:
+        raise ValueError(
+            f"is a {saved.dtype} tensor of shape {tuple(saved.shape)}, not {(n * k + 1) // 2} int32 pairs of columns "
+            f"for {(n, k)}"
+        )
+    pairs = saved.long()
+    return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
+
+
+def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices") -> str | None:
+    """What makes `indices` ((n, k) columns or (n,) rows) differ from selection's (integers in [0, bound), none twice
+    in a row), or None: kernels and merges would write other weight entries."""
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        return f"have dtype {indices.dtype}, not integer"
+    if indices.is_meta or not indices.numel():
+        return None
+    # Compared as Python ints: torch compares an int16 tensor with 32768 in int16, where it wraps to -32768.
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= bound:
+        what = "inputs" if attribute == "neuroada_indices" else "outputs"
+        return f"range over [{low}, {high}] but the layer has only {bound} {what}"
+    if indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
+    return None

@@ -17,9 +17,9 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from . import safe_io
-from .experts import ParamWrapper
-from .layer import NeuroAdaLayer
 from .loading import SAVED_TENSORS, check_layer_state
+from .tuner.experts import ParamWrapper
+from .tuner.layer import NeuroAdaLayer
 
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: part of module names, not of
 # state-dict keys (the wrappers' state-dict hooks drop them).
@@ -48,7 +48,9 @@ class PeftCompat(BaseTuner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """peft checks adapter tensors only in `set_peft_model_state_dict`; resumes (Trainer, accelerate, DeepSpeed,
-        FSDP) call `load_state_dict` directly. A load pre-hook sees both."""
+        FSDP) call `load_state_dict` directly. A load pre-hook sees both. The first NeuroAda model routes peft's
+        safetensors calls (every save and load of an adapter makes one first)."""
+        route_safetensors_calls()
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(_check_before_load)
 

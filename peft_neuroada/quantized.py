@@ -9,9 +9,11 @@ import re
 from typing import Any, NamedTuple
 
 import torch
+from peft.utils.quantization_utils import Bnb4bitBackend, Bnb8bitBackend, QuantizationBackend, TorchaoBackend
 from torch import nn
 
-from .selection import rows_per_block
+from .tuner.layer import FULL_PRECISION_HINT
+from .tuner.selection import rows_per_block
 
 # Quantized linear layers NeuroAda cannot read, by the package that defines them.
 _UNSUPPORTED_PACKAGES = {
@@ -38,10 +40,6 @@ CPU_PACKED_HINT = (
     "bitsandbytes has packed its 4-bit weight for AVX512-BF16 CPU inference (the first eval-mode forward without "
     "gradients does that), a layout bitsandbytes converts back only approximately. Load the model again and add or "
     "load the adapter before running the model in inference mode (NeuroAda then keeps the layers it adapts unpacked)"
-)
-FULL_PRECISION_HINT = (
-    "To get a merged model in full precision, load the base model in float32/bfloat16 and call "
-    "`PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()`."
 )
 
 
@@ -106,7 +104,8 @@ class Snapshot(NamedTuple):
     module: nn.Module
     attributes: dict[str, Any]
 
-    def restore(self) -> None:
+    def __call__(self) -> None:
+        """Put it back (the tuner's layers restore a merged quantized weight by calling its snapshot)."""
         for name, value in self.attributes.items():
             setattr(self.module, name, value)
 
@@ -119,8 +118,8 @@ class QuantizedLinear:
     kind: str
     dtype = torch.float32
 
-    def __init__(self, base: nn.Module) -> None:
-        self.base, self.device = base, base.weight.device
+    def __init__(self, base: nn.Module, backend: QuantizationBackend) -> None:
+        self.base, self.backend, self.device = base, backend, base.weight.device
         self.shape = torch.Size((base.out_features, base.in_features))
         self._whole: torch.Tensor | None = None
 
@@ -154,7 +153,17 @@ class QuantizedLinear:
         return True
 
     def _dequantized(self) -> torch.Tensor:
-        return self._dequantized_rows(0, self.shape[0])
+        return self.backend.get_base_weight(self.base)
+
+    def get_base_layer(self) -> nn.Module:  # (peft's backends requantize into `peft_layer.get_base_layer()`)
+        return self.base
+
+    def replace(self, weight: torch.Tensor) -> None:
+        """Quantize a (d_out, d_in) weight again as the layer's was, with peft's backend, and install it."""
+        self.backend.set_base_weight(self, weight.to(self._float_dtype()))
+
+    def _float_dtype(self) -> torch.dtype:
+        return torch.float32
 
     def merge_refusal(self) -> str | None:
         """Why deltas cannot be merged into this layer (checked before any layer changes), or None."""
@@ -169,7 +178,7 @@ class Bnb4bit(QuantizedLinear):
     per block (`absmax`, itself 8-bit quantized under double quantization)."""
 
     def __init__(self, base: nn.Module) -> None:
-        super().__init__(base)
+        super().__init__(base, Bnb4bitBackend())
         self.state = base.weight.quant_state if base.weight.quant_state is not None else base.quant_state
         self.kind = f"bitsandbytes 4-bit ({self.state.quant_type})"
         self._scales: torch.Tensor | None = None
@@ -189,7 +198,8 @@ class Bnb4bit(QuantizedLinear):
         return bitsandbytes.functional
 
     def _dequantized(self) -> torch.Tensor:
-        return self._functional().dequantize_4bit(self.base.weight.data, self.state)
+        self._functional()  # refuses a CPU-packed weight
+        return super()._dequantized()
 
     def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
         functional, state, d_in = self._functional(), self.state, self.shape[1]
@@ -208,26 +218,17 @@ class Bnb4bit(QuantizedLinear):
     def snapshot(self) -> Snapshot:
         return Snapshot(self.base, {"weight": self.base.weight, "quant_state": self.base.quant_state})
 
-    def replace(self, weight: torch.Tensor) -> None:
-        import bitsandbytes as bnb
-
-        old, state = self.base.weight, self.state
-        new = bnb.nn.Params4bit(
-            weight.to(device="cpu", dtype=state.dtype),
-            requires_grad=False,
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=old.quant_storage,
-            module=self.base,
-        )
-        self.base.weight = new.to(old.device)
+    def _float_dtype(self) -> torch.dtype:
+        return self.state.dtype
 
 
 class Bnb8bit(QuantizedLinear):
     """bitsandbytes `Linear8bitLt`: int8 codes with one scale per row (`SCB`), so any block of rows reads alone."""
 
     kind = "bitsandbytes 8-bit"
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__(base, Bnb8bitBackend())
 
     def _dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
@@ -238,19 +239,12 @@ class Bnb8bit(QuantizedLinear):
     def snapshot(self) -> Snapshot:
         return Snapshot(self.base, {"weight": self.base.weight, "state": copy.copy(self.base.state)})
 
-    def replace(self, weight: torch.Tensor) -> None:
-        import bitsandbytes as bnb
-
-        new = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
-        self.base.weight = new.to(self.device)
-        self.base.state.reset_grads()
-
 
 class Torchao(QuantizedLinear):
     """An `nn.Linear` with a torchao weight; `requantize_with`: the config the model was loaded with, to merge."""
 
     def __init__(self, base: nn.Module, requantize_with: Any = None) -> None:
-        super().__init__(base)
+        super().__init__(base, TorchaoBackend(lambda: requantize_with))
         self.kind = f"torchao {type(base.weight).__name__}"
         self.requantize_with = requantize_with
         self._slices: bool | None = None
@@ -284,13 +278,10 @@ class Torchao(QuantizedLinear):
         return None
 
     def replace(self, weight: torch.Tensor) -> None:
-        from torchao.quantization import quantize_
-
         if reason := self.merge_refusal():
             raise ValueError(f"Cannot merge into this layer: {reason}. {FULL_PRECISION_HINT}")
         old = self.base.weight
-        self.base.weight = nn.Parameter(weight.to(device=old.device, dtype=old.dtype), requires_grad=False)
-        quantize_(self.base, self.requantize_with)
+        self.backend.set_base_weight(self, weight.to(device=old.device, dtype=old.dtype))
         if not _is_torchao(self.base.weight):
             raise ValueError(
                 f"Requantizing a {self.kind} weight with {type(self.requantize_with).__name__} left it unquantized. "

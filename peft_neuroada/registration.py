@@ -11,8 +11,9 @@ import enum
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils import PeftType, register_peft_method
 
-from .config import METHOD_NAME, PREFIX, NeuroAdaConfig
+from .config import NeuroAdaConfig
 from .model import NeuroAdaModel
+from .tuner.config import METHOD_NAME, PREFIX
 
 
 def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:

@@ -18,7 +18,7 @@ from peft.utils import CONFIG_NAME
 from safetensors import SafetensorError
 
 from .atomic_file import keep_previous_pair, weights_to_read, write_atomically
-from .config import METHOD_NAME, PREFIX
+from .tuner.config import METHOD_NAME, PREFIX
 
 
 def save_file(tensors: dict, filename: str | os.PathLike, metadata: dict | None = None) -> None:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.selection import select_inputs
+from peft_neuroada.tuner.selection import select_inputs
 from tests.conftest import tiny_llama, train_on_batch
 
 WORLD_SIZE = 2

@@ -15,7 +15,7 @@ import pytest
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.kernels import cpu as cpu_kernels
+from peft_neuroada.accel.kernels import cpu as cpu_kernels
 from tests.conftest import tiny_llama
 from tests.shared_data import shared_datasets
 

@@ -13,7 +13,7 @@ from peft import get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import Linear
+from peft_neuroada.layers import Linear
 from peft_neuroada.train.models import load_default_model
 from tests.conftest import tiny_llama, train_on_batch
 

@@ -165,7 +165,7 @@ def test_each_visit_holds_the_weight_lock_from_patch_to_restore(model, second_re
         entered_second.set()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("peft_neuroada.functional.F.linear", slow_linear)
+        patch.setattr("peft_neuroada.accel.paths.F.linear", slow_linear)
         first = threading.Thread(target=lambda: layer(x), name="first")
         other = threading.Thread(target=second)
         first.start()
@@ -186,5 +186,5 @@ def test_a_copy_of_a_model_gets_its_own_weight_locks_and_keeps_nothing_of_the_or
     copied = duplicate(model)
     for layer, twin in zip(neuroada_layers(model), neuroada_layers(copied), strict=True):
         assert twin._runtime.lock is not layer._runtime.lock
-        assert twin._runtime.placements == {}
+        assert twin._placements == {}
     torch.testing.assert_close(copied(tokens).logits, model(tokens).logits, rtol=0, atol=0)

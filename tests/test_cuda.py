@@ -12,7 +12,7 @@ from peft import PeftModel, get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import Linear
+from peft_neuroada.layers import Linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -13,8 +13,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import Linear
-from tests.conftest import neuroada_layers
+from peft_neuroada.layers import Linear
+from tests.conftest import ACCELERATORS_HIDDEN, neuroada_layers
 
 
 class Tagged(torch.Tensor):
@@ -111,6 +111,8 @@ def adapted(model: nn.Module) -> Linear:
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize(("situation", "dtype"), CASES, ids=[f"{s}-{d}" for s, d in CASES])
 def test_no_tokens_give_loras_empty_output_and_zero_gradients_on_every_path(situation, dtype, shape, grad):
+    if ACCELERATORS_HIDDEN and situation == "inference-tensor":
+        pytest.skip("an inference-tensor weight trains only on the accelerators' direct path (as LoRA, peft cannot)")
     situation, dtype = SITUATIONS[situation], DTYPES[dtype]
     if not cpu_matmul_supports(dtype):
         pytest.skip(f"this CPU has no {dtype} matmul")
@@ -119,7 +121,7 @@ def test_no_tokens_give_loras_empty_output_and_zero_gradients_on_every_path(situ
     lora = situation.build(LoraConfig(r=2, target_modules=["lin"], init_lora_weights=False), dtype).train(grad)
     x = torch.randn(shape, dtype=dtype, requires_grad=grad)
     with situation.context(), torch.set_grad_enabled(grad):
-        assert adapted(model).frozen().path(situation.inplace_forward).name == situation.path
+        assert ACCELERATORS_HIDDEN or adapted(model).frozen().path(situation.inplace_forward).name == situation.path
         out = model(x)
         with torch.no_grad():  # (LoRA cannot save an inference tensor for backward)
             expected = lora(x)

@@ -15,9 +15,10 @@ from peft import get_peft_model
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from peft_neuroada import NeuroAdaConfig, kernels
-from peft_neuroada.kernels import cpu
-from peft_neuroada.layer import Linear
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.accel import kernels
+from peft_neuroada.accel.kernels import cpu
+from peft_neuroada.layers import Linear
 from tests.conftest import neuroada_layers, tiny_llama
 
 FAILURES = [RuntimeError, KeyboardInterrupt]

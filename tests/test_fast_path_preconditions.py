@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import Linear
+from peft_neuroada.layers import Linear
 from tests.conftest import TINY_LLAMA_DISK_MAP, logits, neuroada_layers, tiny_llama
 
 

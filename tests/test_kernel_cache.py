@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_neuroada import kernels
-from peft_neuroada.kernels import cpu, torch_ops
+from peft_neuroada.accel import kernels
+from peft_neuroada.accel.kernels import cpu
+from peft_neuroada.tuner import products as torch_ops
 
 COMPILER = cpu.compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -81,9 +82,11 @@ def run_in_fresh_process() -> subprocess.CompletedProcess:
     """`products_match_torch_ops` in a new Python process with this process's environment; prints the backend."""
     code = f"""
 import sys, types
-package = types.ModuleType("peft_neuroada")  # the kernels without the tuner (peft, transformers): 2 s, not 9
-package.__path__ = [{str(Path(kernels.__file__).parents[1])!r}]
-sys.modules["peft_neuroada"] = package
+root = {str(Path(kernels.__file__).parents[2])!r}
+for name in ("peft_neuroada", "peft_neuroada.accel", "peft_neuroada.tuner"):  # the kernels without peft: 2 s, not 9
+    package = types.ModuleType(name)
+    package.__path__ = [root + name.removeprefix("peft_neuroada").replace(".", "/")]
+    sys.modules[name] = package
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_kernel_cache import products_match_torch_ops
 print(products_match_torch_ops())

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_neuroada import kernels
-from peft_neuroada.kernels import cpu
+from peft_neuroada.accel import kernels
+from peft_neuroada.accel.kernels import cpu
 
 CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available(), reason="no C compiler"))]
 ON_GPU = pytest.mark.skipif(

@@ -8,7 +8,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import Linear
+from peft_neuroada.layers import Linear
+from tests.conftest import ACCELERATORS_HIDDEN, needs_accelerators
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -122,7 +123,7 @@ def test_each_call_computes_with_the_base_weight_the_layer_holds_at_that_call(ch
     layer(x)
     change(layer)
     torch.testing.assert_close(layer(x), dense_reference(layer, x)[0])
-    assert (layer.frozen().path().reason is None) == writable
+    assert ACCELERATORS_HIDDEN or (layer.frozen().path().reason is None) == writable
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -135,7 +136,7 @@ def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction, devi
     unmerged = layer(x)
     layer.merge()
     merged = layer(x)
-    if path == "inplace":
+    if path == "inplace" and not ACCELERATORS_HIDDEN:
         assert torch.equal(unmerged, merged), "the in-place path runs the very matmul a merged layer runs"
     torch.testing.assert_close(unmerged, merged, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
@@ -189,6 +190,7 @@ def kept_per_token(layer: Linear, x: torch.Tensor) -> list[tuple[int, ...]]:
     return [tuple(t.shape) for t in saved_for_backward(lambda: layer(x)) if t.shape[:-1].numel() == tokens]
 
 
+@needs_accelerators
 @pytest.mark.parametrize("path", PATHS)
 def test_backward_keeps_only_the_input_columns_the_deltas_read(path):
     layer = make_layer(k=1, d_in=64, d_out=8, path=path)
@@ -232,6 +234,7 @@ def test_the_delta_gradient_follows_indices_changed_between_steps(change):
     torch.testing.assert_close(layer.neuroada_delta["default"].grad, merged.grad[positions(layer)])
 
 
+@needs_accelerators
 def test_a_layer_reading_an_input_another_layer_keeps_whole_references_it_instead_of_copying_columns():
     # The first layer reads every column, so it keeps x itself; the second reads at most 2 of 16 columns and would
     # keep a copy of just those, but x is kept anyway, so a reference costs nothing.

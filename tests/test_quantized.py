@@ -24,11 +24,11 @@ from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, Int
 from torchao.quantization.granularity import PerGroup
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, TorchAoConfig
 
-import peft_neuroada.selection
+import peft_neuroada.tuner.selection
 from peft_neuroada import NeuroAdaConfig, k_for_budget
 from peft_neuroada.budget import targeted_shapes
 from peft_neuroada.quantized import Bnb8bit, QuantizedLinear, quantized_linear
-from peft_neuroada.selection import select_inputs
+from peft_neuroada.tuner.selection import select_inputs
 
 QUANTIZATIONS: dict[str, Callable[[], object]] = {
     "bnb-nf4": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
@@ -135,7 +135,7 @@ def test_selection_reads_the_dequantized_weights_a_block_of_rows_at_a_time(
 
     monkeypatch.setattr(QuantizedLinear, "rows", recorded_rows)
     monkeypatch.setattr(QuantizedLinear, "dense", lambda self: pytest.fail("selection dequantized a whole layer"))
-    monkeypatch.setattr(peft_neuroada.selection, "_MAX_BLOCK_ELEMENTS", 5 * 128)
+    monkeypatch.setattr(peft_neuroada.tuner.selection, "_MAX_BLOCK_ELEMENTS", 5 * 128)
 
     peft_model = get_peft_model(model, NeuroAdaConfig(k=2))
 

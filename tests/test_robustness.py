@@ -14,7 +14,7 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from peft_neuroada import NeuroAdaConfig, safe_io
-from peft_neuroada.index_storage import from_buffer
+from peft_neuroada.tuner.index_storage import from_buffer
 from tests.conftest import logits, neuroada_layers, real_minilm, tiny_bert, tiny_llama
 
 

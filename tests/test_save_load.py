@@ -28,8 +28,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, select_by_gradient
-from peft_neuroada.index_storage import from_buffer
-from tests.conftest import TINY_AND_REAL, hidden, indices_by_layer, logits, named_neuroada_layers, tiny_llama
+from peft_neuroada.tuner.index_storage import from_buffer
+from tests.conftest import (
+    TINY_AND_REAL,
+    hidden,
+    indices_by_layer,
+    logits,
+    named_neuroada_layers,
+    needs_accelerators,
+    tiny_llama,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,6 +75,7 @@ def test_model_card_names_the_method_and_the_base_model(trained_smollm2_adapter,
     assert f"base_model: {smollm2_path}" in card
 
 
+@needs_accelerators  # (the fresh process computes with them)
 def test_reload_in_a_fresh_process_reproduces_outputs_bit_exactly(trained_smollm2_adapter, smollm2_path, tmp_path):
     model, adapter_dir = trained_smollm2_adapter
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
-from peft_neuroada.selection import layer_generator, select_inputs, select_neurons
+from peft_neuroada.tuner.selection import layer_generator, select_inputs, select_neurons
 from tests.conftest import hidden, indices_by_layer, named_neuroada_layers, real_minilm, tiny_llama
 
 

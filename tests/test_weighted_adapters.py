@@ -10,8 +10,8 @@ from peft import PeftModel, get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layer import NeuroAdaLayer
 from peft_neuroada.train.models import load_default_model
+from peft_neuroada.tuner.layer import NeuroAdaLayer
 from tests.conftest import logits, named_neuroada_layers, neuroada_layers, tiny_bert, tiny_llama
 
 

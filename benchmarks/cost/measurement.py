@@ -17,7 +17,7 @@ from common import interleaved_samples
 from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from peft_neuroada.config import DTYPES
+from peft_neuroada.tuner.config import DTYPES
 
 from .meters import (
     MIB,

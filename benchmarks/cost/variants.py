@@ -27,10 +27,10 @@ from transformers import (
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
 from peft_neuroada.cache import cache_root
-from peft_neuroada.config import LLAMA_STYLE_TARGETS
-from peft_neuroada.model import expert_projections
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
+from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
+from peft_neuroada.tuner.model import expert_projections
 
 # The budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.
 BUDGET_K = 20

@@ -18,7 +18,7 @@ from transformers import (
 )
 
 import peft_neuroada  # noqa: F401  (registers the NEUROADA peft type, so saved NeuroAda adapters load)
-from peft_neuroada.config import DTYPES
+from peft_neuroada.tuner.config import DTYPES
 
 from .default_model import default_model_path
 from .protocols import get_protocol

@@ -20,7 +20,7 @@ import yaml
 from peft import LoraConfig, PeftConfig
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.config import DTYPES
+from peft_neuroada.tuner.config import DTYPES
 
 from .glue import GlueTask, glue_task
 from .protocols import PROTOCOLS

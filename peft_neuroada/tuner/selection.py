@@ -45,7 +45,7 @@ def select_inputs(
     weight: torch.Tensor, k: int, strategy: str = "magnitude", generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending. `gradient` selection passes the
-    gradients' magnitudes with `magnitude`; a quantized layer comes as a `QuantizedLinear`, read in float32 blocks."""
+    gradients' magnitudes with `magnitude`; a quantized layer comes as its dequantized view, read in float32 blocks."""
     score_of = _SCORES[strategy]
     if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows
         weight = weight.full_tensor()

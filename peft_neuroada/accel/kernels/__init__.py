@@ -20,7 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from . import cpu, torch_ops, triton_ops
+from ...tuner import products as torch_ops
+from . import cpu, triton_ops
 
 Backend = Literal["auto", "cpu", "triton", "torch"]
 BACKENDS = ("cpu", "triton", "torch")

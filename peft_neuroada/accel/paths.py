@@ -1,4 +1,4 @@
-"""The sparse bypass `(P ⊙ Θ) x`, its gradients, and `adapted_linear`, the one entry point that picks how to run it.
+"""The accelerated forward: `adapted_linear`, the one entry point that picks how to run `W x + b + Σ (P ⊙ Θ) x`.
 
 `FrozenLinear.path` decides, per call, by the first row that matches:
 
@@ -22,8 +22,6 @@ dense weight gradient sampled at the selected positions (`kernels.sampled_grad`)
 from __future__ import annotations
 
 import functools
-import os
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -34,7 +32,9 @@ import torch.nn.modules.module as module_hooks
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from ..tuner.placement import Placement, positions, storage_view, unique_columns
 from . import kernels
+from .lock import WeightLock
 
 # Backward keeps only the input columns the deltas read when they are at most this share of the input.
 _COMPACT_INPUT_MAX_SHARE = 0.5
@@ -43,98 +43,6 @@ _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
 # torch's registries of global module hooks (dicts it fills and empties in place, never rebinds).
 _GLOBAL_HOOKS = tuple(
     getattr(module_hooks, f"_global_{kind}_hooks") for kind in ("forward", "forward_pre", "backward", "backward_pre")
-)
-
-
-class Placement:
-    """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
-    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). Layers hand out the same placement while
-    their indices are unchanged, so what backward derives from the columns is computed once (`columns_read`)."""
-
-    __slots__ = ("cols", "rows", "_columns_read")
-
-    def __init__(self, cols: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        self.cols, self.rows = cols, rows
-        self._columns_read: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def columns_read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sorted distinct input columns the deltas read, and `cols` as positions among them (in cols' dtype, so
-        the kept re-indexing costs no more memory than the index)."""
-        if self._columns_read is None:
-            self._columns_read = _unique_columns(self.cols)
-        return self._columns_read
-
-    def copy(self, device: torch.device | None = None) -> Placement:
-        """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
-        copy = (lambda t: t.clone()) if device is None else (lambda t: t.to(device))
-        return Placement(copy(self.cols), None if self.rows is None else copy(self.rows))
-
-
-def _unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
-    return used, local.to(cols.dtype).view(cols.shape)
-
-
-class WeightLock:
-    """Serialises every visit to one layer's weight: the threads' (a reentrant lock) and, on CUDA, the streams they
-    queue work on (a visit on another stream than the last waits for it). A copy or pickle gets a new lock."""
-
-    __slots__ = ("_lock", "_stream", "device", "__weakref__")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._stream: torch.cuda.Stream | None = None
-        self.device: torch.device | None = None
-        with _LOCKS_GUARD:
-            _LOCKS.add(self)
-
-    def __reduce__(self) -> tuple:
-        return (WeightLock, ())
-
-    def on(self, device: torch.device) -> WeightLock:
-        self.device = device
-        return self
-
-    def __enter__(self) -> WeightLock:
-        self._lock.acquire()
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            stream, last = torch.cuda.current_stream(self.device), self._stream
-            if last is not None and last != stream:
-                stream.wait_stream(last)
-            self._stream = stream
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._lock.release()
-
-
-# Every live weight lock, for `os.fork` alone (a process-global set because a fork is process-global).
-_LOCKS: weakref.WeakSet[WeightLock] = weakref.WeakSet()
-_LOCKS_GUARD = threading.Lock()
-_HELD_FOR_FORK: list[WeightLock] = []
-
-
-def _hold_weights_for_fork() -> None:
-    """Before `os.fork`: wait for the visits in flight and hold every weight lock (and the guard, so no lock is made
-    meanwhile) through the fork, so the child, which has only the forking thread, starts with every weight restored
-    and every lock free. A visit never makes a layer, so no visit waits for the guard while holding its lock."""
-    _LOCKS_GUARD.acquire()
-    for lock in list(_LOCKS):
-        lock._lock.acquire()
-        _HELD_FOR_FORK.append(lock)
-
-
-def _release_weights_after_fork() -> None:
-    for lock in _HELD_FOR_FORK:
-        lock._lock.release()
-    _HELD_FOR_FORK.clear()
-    _LOCKS_GUARD.release()
-
-
-os.register_at_fork(
-    before=_hold_weights_for_fork,
-    after_in_parent=_release_weights_after_fork,
-    after_in_child=_release_weights_after_fork,
 )
 
 
@@ -251,35 +159,6 @@ def _linear(frozen: FrozenLinear, x: torch.Tensor, placements, deltas, inplace: 
     return _forward(x, frozen, placements, deltas, inplace)
 
 
-def _storage(weight: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of the weight's storage, through `weight.data`: writes never move the version counter, so another
-    graph that saved the weight still runs its backward (every patch is restored before the visit ends; a merge is the
-    model's new weight, as LoRA's merge through `weight.data` makes it)."""
-    weight = weight.data
-    return weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
-
-
-def _positions(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Where the placement's entries sit in `_storage(weight)`, shaped like the deltas (any strides, any neurons). A
-    stack of experts' weights (E, d_out, d_in) counts its neurons expert after expert: neuron `e * d_out + i`."""
-    cols = placement.cols
-    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
-    if weight.dim() == 3:
-        expert, rows = rows.div(weight.shape[1], rounding_mode="floor"), rows.remainder(weight.shape[1])
-        return (expert * weight.stride(0) + rows * weight.stride(1))[:, None] + cols.long() * weight.stride(2)
-    return rows[:, None] * weight.stride(0) + cols.long() * weight.stride(1)
-
-
-def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The entries of a (d_out, d_in) `weight` (or an (E, d_out, d_in) stack) at the placement, shaped like the
-    deltas."""
-    return _storage(weight)[_positions(weight, placement)]
-
-
-def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    _storage(weight).index_put_((_positions(weight, placement),), values)
-
-
 def _with_deltas_added(frozen: FrozenLinear, placements: Sequence[Placement], deltas: Sequence[torch.Tensor], compute):
     """`compute()` while the weight holds the deltas (overlapping adapters add up); then every entry is bit-identical
     again: the originals are read before any write and written back in the `finally` by one call into torch (nothing
@@ -290,18 +169,18 @@ def _with_deltas_added(frozen: FrozenLinear, placements: Sequence[Placement], de
         entry_patch = kernels.entry_patch(weight, placements[0].cols, placements[0].rows, deltas[0])
         patch, restore = entry_patch.apply, entry_patch.restore
     else:
-        storage, positions = _storage(weight), [_positions(weight, p) for p in placements]
-        everywhere = torch.cat([at.reshape(-1) for at in positions])
+        storage, places = storage_view(weight), [positions(weight, p) for p in placements]
+        everywhere = torch.cat([at.reshape(-1) for at in places])
         with torch.no_grad():
             originals = storage[everywhere]
         restore = functools.partial(storage.index_put_, (everywhere,), originals)
 
         @torch.no_grad()
         def patch() -> None:
-            if len(positions) == 1:  # its entries are the originals: no second read (a kernel launch on CUDA)
+            if len(places) == 1:  # its entries are the originals: no second read (a kernel launch on CUDA)
                 delta = deltas[0].detach().reshape(-1)
                 return storage.index_put_((everywhere,), originals + delta.to(originals.dtype))
-            for at, delta in zip(positions, deltas, strict=True):
+            for at, delta in zip(places, deltas, strict=True):
                 storage.index_put_((at,), storage[at] + delta.detach().to(originals.dtype))
 
     try:
@@ -333,7 +212,7 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
         if len(placements) == 1:
             used, local = placements[0].columns_read()
         else:
-            used, local = _unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
+            used, local = unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
         if used.numel() <= _COMPACT_INPUT_MAX_SHARE * d_in:
             local_cols = local.reshape(-1).split([p.cols.numel() for p in placements])
             compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
@@ -411,7 +290,9 @@ def bypass_input_grad(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # fmt: skip
     """`kernels.bypass_input_grad` as an opaque op to `torch.compile`, so compiled graphs run the compiled kernels
-    (traced, the torch-op fallback's index_add_ loop is fused by inductor into code that writes out of bounds)."""
+    (traced, the torch-op fallback's index_add_ loop is fused by inductor into code that writes out of bounds).
+    Registered with torch when the accelerators are first imported: with the first NeuroAda layer, never while
+    tracing (dynamo cannot trace a registration)."""
     return kernels.bypass_input_grad(grad2d, cols, rows, delta, d_in, dtype)
 
 

@@ -20,13 +20,18 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .config import NeuroAdaConfig
-from .functional import Placement, placed_entries, write_placed_
 from .layer import NeuroAdaLayer
+from .placement import Placement, placed_entries, write_placed_
 
 MIXED_BATCH_REFUSAL = (
     "NeuroAda target_parameters (expert weights) do not serve mixed batches (`adapter_names`), as peft's LoRA "
     "ParamWrapper does not: run one adapter per call, or merge it."
 )
+
+
+def is_transposed(experts: nn.Module, param: torch.Tensor) -> bool:
+    """Whether a 3-D expert stack is held (E, d_in, d_out): experts modules marked `is_transposed` (GPT-OSS)."""
+    return param.dim() == 3 and bool(getattr(experts, "is_transposed", False))
 
 
 class ParamWrapper(nn.Module, NeuroAdaLayer):
@@ -52,13 +57,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         return getattr(self.get_base_layer(), self.parameter_name)
 
     def in_out_features(self) -> tuple[int, int]:
-        """d_in and the neurons of the whole stack (E * d_out)."""
-        shape = self.weight_out_in().shape
-        return shape[-1], shape[:-1].numel()
-
-    def weight_out_in(self) -> torch.Tensor:
-        """The parameter as a (d_out, d_in) weight or an (E, d_out, d_in) stack of them (a view, never a copy):
-        experts modules marked `is_transposed` (GPT-OSS) hold (E, d_in, d_out)."""
+        """d_in and the neurons of the whole stack (E * d_out); refuses a parameter NeuroAda cannot adapt."""
         param = self.get_param()
         if param.dim() not in (2, 3) or not param.dtype.is_floating_point:
             raise TypeError(
@@ -66,10 +65,15 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
                 f"{type(self.get_base_layer()).__name__} is {param.dtype} {tuple(param.shape)}. Remove it from "
                 "target_parameters."
             )
-        return param.transpose(1, 2) if self._transposed() else param
+        shape = self.weight_out_in().shape
+        return shape[-1], shape[:-1].numel()
+
+    def weight_out_in(self) -> torch.Tensor:
+        """The parameter as a (d_out, d_in) weight or an (E, d_out, d_in) stack of them (a view, never a copy)."""
+        return self._oriented(self.get_param())
 
     def _transposed(self) -> bool:
-        return self.get_param().dim() == 3 and bool(getattr(self.get_base_layer(), "is_transposed", False))
+        return is_transposed(self.get_base_layer(), self.get_param())
 
     @property
     def num_experts(self) -> int:
@@ -80,7 +84,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         return "it is on the meta device (not loaded)" if self.get_param().is_meta else None
 
     def quantized(self) -> None:
-        return None  # quantized expert stacks are refused by `weight_out_in` (not floating point)
+        return None  # quantized expert stacks are refused by `in_out_features` (not floating point)
 
     def _get_base_layer_device_and_dtype(self, base_layer: nn.Module) -> tuple[torch.device, torch.dtype]:
         param = self.get_param()
@@ -127,12 +131,13 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
     @contextmanager
     def _deltas_added(self, adapters: list[str]):
         """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
-        read); the parameter itself is not written. The lock keeps concurrent calls from parametrizing it twice."""
+        read); the parameter itself is not written. The accelerator's `weight_writes` (the plugin's weight lock) keeps
+        concurrent calls from parametrizing it twice; the plain path, as peft's LoRA, serves one call at a time."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
         added = _DeltasAdded(self._transposed(), placements, deltas)
         base, name = self.get_base_layer(), self.parameter_name
-        with self._weight_lock():
+        with self.accelerator.weight_writes(self):
             parametrize.register_parametrization(base, name, added, unsafe=True)
             try:
                 with parametrize.cached():

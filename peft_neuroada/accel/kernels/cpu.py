@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..cache import UntrustedPath, cache_root, open_cache_folder, open_trusted, write_file
-from . import torch_ops
+from ...cache import UntrustedPath, cache_root, open_cache_folder, open_trusted, write_file
+from ...tuner import products as torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,16 @@ def _new_lock_in_child() -> None:
     _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lock_in_child)
+_FORK_HANDLER: list[bool] = []
+
+
+def _register_fork_handler_once() -> None:
+    """`_new_lock_in_child` runs in forked children from the first build on (before, no build can be in flight)."""
+    if not _FORK_HANDLER:
+        os.register_at_fork(after_in_child=_new_lock_in_child)
+        _FORK_HANDLER.append(True)
+
+
 _UNLOADED = object()
 _library: ctypes.CDLL | None | object = _UNLOADED
 
@@ -195,6 +204,7 @@ def library() -> ctypes.CDLL | None:
     if _library is _UNLOADED:
         with _lock:
             if _library is _UNLOADED:
+                _register_fork_handler_once()
                 _library = _load(compiler())
     return _library
 

@@ -1,33 +1,31 @@
-"""NeuroAda tuner layer: a frozen linear layer plus k trainable deltas per neuron."""
+"""NeuroAda layers: a frozen linear layer plus k trainable deltas per neuron, `y = base(x) + (P ⊙ Θ) x`.
+
+The forward is the base layer's own output plus the sparse bypass (`SparseBypass`, below); the deltas' gradient is
+the dense weight gradient sampled at their positions, never formed. A layer computes through its `accelerator`: the
+`Accelerator` here is that plain path, and a faster one (peft_neuroada's C/Triton kernels and in-place merged matmul)
+can take its place without the layer changing.
+"""
 
 from __future__ import annotations
 
-import functools
+import copy
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, ClassVar
 
 import torch
 from accelerate.hooks import AlignDevicesHook
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils import resolve_quantization_backend
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
+from . import products
 from .config import DTYPES, NeuroAdaConfig
-from .functional import (
-    FrozenLinear,
-    Placement,
-    WeightLock,
-    adapted_linear,
-    frozen_output,
-    placed_entries,
-    write_placed_,
-)
-from .index_storage import buffer_problem, from_buffer, index_problem, to_buffer
-from .quantized import FULL_PRECISION_HINT, QuantizedLinear, Snapshot, keep_standard_layout, quantized_linear
+from .index_storage import from_buffer, to_buffer
+from .placement import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
@@ -38,37 +36,72 @@ LOAD_WEIGHTS_HINT = (
     "CPU/disk offloading (for a model too large for your GPU, load it quantized, or load it on the CPU, add the "
     "adapter, and then offload the PeftModel with accelerate's dispatch_model, cpu_offload or disk_offload)."
 )
+FULL_PRECISION_HINT = (
+    "To get a merged model in full precision, load the base model in float32/bfloat16 and call "
+    "`PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()`."
+)
+# The containers of an adapter's tensors: the layer reads them, it never calls them.
+_CONTAINERS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
 
 
-class MixedBatch(NamedTuple):
-    """peft's `adapter_names` of a forward/generate call, per row (`"__base__"`: none); under beam search the encoder
-    layers of an encoder-decoder model see the unrepeated names."""
-
-    names: list[str]
-    encoder_names: list[str] | None = None
-    encoder_layers: frozenset[int] = frozenset()
-
-    def for_layer(self, layer: nn.Module) -> list[str]:
-        return self.encoder_names if id(layer) in self.encoder_layers else self.names
+def _flatten(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
-# The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
-# `ContextVar.get`, but guards on the plain list of calls serving one (append and remove are atomic): graphs without
-# one never read the context variable.
-_MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
-_SERVING: list[object] = []
+class SparseBypass(torch.autograd.Function):
+    """`(P ⊙ Θ) x` for one adapter. Backward samples the dense weight gradient at the placement (`sampled_grad`) and
+    keeps the input for it; nothing when the delta is frozen."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+        out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
+        ctx.save_for_backward(x if ctx.needs_input_grad[3] else None, delta)
+        ctx.placement, ctx.input_shape, ctx.input_dtype = placement, x.shape, x.dtype
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, delta = ctx.saved_tensors
+        grad2d, placement = _flatten(grad_out), ctx.placement
+        grad_x = grad_delta = None
+        if ctx.needs_input_grad[0]:
+            d_in = ctx.input_shape[-1]
+            grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in, ctx.input_dtype)
+            grad_x = grad_x.view(ctx.input_shape)
+        if ctx.needs_input_grad[3]:
+            grad_delta = products.sampled_grad(_flatten(x), grad2d, placement.cols, placement.rows).to(delta.dtype)
+        return grad_x, None, None, grad_delta
 
 
-@contextmanager
-def serving(mixed: MixedBatch) -> Iterator[None]:
-    """Make `mixed` the batch this thread's NeuroAda layers serve, for the duration of the block."""
-    token = _MIXED_BATCH.set(mixed)
-    _SERVING.append(token)
-    try:
-        yield
-    finally:
-        _SERVING.remove(token)
-        _MIXED_BATCH.reset(token)
+def sparse_bypass(x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+    """`(P ⊙ Θ) x` alone, for adding to the base layer's output."""
+    if torch.is_grad_enabled():
+        return SparseBypass.apply(x, placement, out_features, delta)
+    out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class Accelerator:
+    """How a layer computes its output and guards writes into its weight. This class is the plain path, pure torch;
+    an accelerator overrides these three methods (and nothing else reaches it)."""
+
+    def frozen_output(self, layer: NeuroAdaLayer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base layer's output."""
+        return layer.base_layer(x, *args, **kwargs)
+
+    def adapted_output(
+        self, layer: NeuroAdaLayer, x: torch.Tensor, adapters: Sequence[str], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """`base(x) + Σ (P ⊙ Θ) x` over `adapters` (present in the layer)."""
+        result = layer.base_layer(x, *args, **kwargs)
+        for name in adapters:
+            bypass = sparse_bypass(x, layer.placement(name), layer.out_features, layer.neuroada_delta[name])
+            result = result + bypass.to(result.dtype)
+        return result
+
+    def weight_writes(self, layer: NeuroAdaLayer) -> AbstractContextManager:
+        """Held while a merge or unmerge writes the layer's weight."""
+        return nullcontext()
 
 
 def unreadable_weight(base: nn.Module) -> str | None:
@@ -79,10 +112,6 @@ def unreadable_weight(base: nn.Module) -> str | None:
     if base.weight.is_meta:
         return "it is on the meta device (offloaded or not loaded)"
     return None
-
-
-# The containers of an adapter's tensors: the layer reads them, it never calls them.
-_CONTAINERS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
 
 
 @contextmanager
@@ -98,16 +127,47 @@ def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
             container._hf_hook.post_forward(container, None)
 
 
-class LayerRuntime:
-    """What a layer keeps for the process it runs in: its weight's lock and its placements. Copies and pickles of the
-    layer start with a fresh one: nothing of it is saved or shared."""
+class QuantizedWeight:
+    """A quantized base layer's weight through peft's quantization backend, seen as its dequantized (d_out, d_in)
+    float32 weight; merged by requantizing, unmerged by putting back the quantized weight the merge replaced."""
 
-    def __init__(self) -> None:
-        self.lock = WeightLock()
-        self.placements: dict[str, tuple] = {}
+    dtype = torch.float32
 
-    def __reduce__(self) -> tuple:
-        return (LayerRuntime, ())
+    def __init__(self, layer: NeuroAdaLayer, backend: Any) -> None:
+        self.layer, self.backend, self.kind = layer, backend, backend.backend_name or type(backend).__name__
+        self.base = layer.get_base_layer()
+        self.shape, self.device = torch.Size((layer.out_features, layer.in_features)), self.base.weight.device
+        self._whole: torch.Tensor | None = None
+
+    def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
+        return self.dense()[index]
+
+    def dense(self) -> torch.Tensor:
+        if self._whole is None:
+            weight = self.backend.get_base_weight(self.base)
+            self._stored_dtype, self._whole = weight.dtype, weight.float().reshape(self.shape)
+        return self._whole
+
+    def merge_refusal(self) -> str | None:
+        return None if self.backend.supports_merge else f"peft cannot requantize {self.kind} weights"
+
+    def snapshot(self) -> Callable[[], None]:
+        """What puts the quantized weight (and its quantization state) back as it is now."""
+        layer, base, weight = self.layer, self.base, self.base.weight
+        state = {name: copy.copy(vars(base)[name]) for name in ("state", "quant_state") if name in vars(base)}
+
+        def restore() -> None:
+            if layer.get_base_layer() is not base:  # the backend replaced the module (HQQ)
+                layer.base_layer = base
+            base.weight = weight
+            for name, value in state.items():
+                setattr(base, name, value)
+
+        return restore
+
+    def replace(self, weight: torch.Tensor) -> None:
+        """Quantize `weight` (a `dense()` with the deltas added) again and install it."""
+        self.backend.set_base_weight(self.layer, weight.to(self._stored_dtype))
 
 
 class NeuroAdaLayer(BaseTunerLayer):
@@ -117,8 +177,9 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "inplace_forward", "init_weights")
+    accelerator: ClassVar[Accelerator] = Accelerator()
 
-    def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False) -> None:
+    def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
         self.fan_in_fan_out = fan_in_fan_out
         self.neuroada_delta = nn.ParameterDict({})
@@ -128,11 +189,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.init_weights: dict[str, bool] = {}
         # Per merged adapter, what unmerge writes back: the entries it overwrote, or the quantized weight it replaced.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
-        self._quantized_originals: dict[str, Snapshot] = {}
-        self.requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
+        self._quantized_originals: dict[str, Callable[[], None]] = {}
+        self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
         # Other modules holding this layer's base weight (kept up to date by NeuroAdaModel): never written in place.
         self.weight_shared_with: tuple[str, ...] = ()
-        self._runtime = LayerRuntime()
         self._disable_adapters = False
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
@@ -146,8 +206,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         """The adapter's containers accelerate hooked (`cpu_offload`, `disk_offload`, `dispatch_model` after the
         adapter was added): its hooks bring a module's tensors in when the module is called, and these are only
         read, so visits run the hooks themselves (`onloaded`)."""
-        modules = self._modules  # (not `self.neuroada_delta`: nn.Module.__getattr__, at every visit)
-        return [modules[name] for name in _CONTAINERS if "_hf_hook" in vars(modules[name])]
+        containers = [getattr(self, name) for name in _CONTAINERS]
+        return [container for container in containers if "_hf_hook" in vars(container)]
 
     def weight_out_in(self) -> torch.Tensor:
         """The frozen weight as a (d_out, d_in) view, whatever the layer's storage layout."""
@@ -173,16 +233,11 @@ class NeuroAdaLayer(BaseTunerLayer):
         placement, originals = self._merge_originals[name]
         return placement.copy(weight.device), originals.to(device=weight.device, dtype=weight.dtype)
 
-    def quantized(self) -> QuantizedLinear | None:
+    def quantized(self) -> QuantizedWeight | None:
         """The base layer seen as its dequantized weight (None for a plain float weight)."""
-        return quantized_linear(self.get_base_layer(), self.requantize_with)
-
-    def frozen(self) -> FrozenLinear:
-        """The frozen layer as `functional` takes it."""
-        base = self.base_layer  # (`get_base_layer()` asks `hasattr` twice, at every visit)
-        base = base.get_base_layer() if isinstance(base, BaseTunerLayer) else base
-        weight = base.weight.T if self.fan_in_fan_out else base.weight
-        return FrozenLinear(base, weight, self.weight_shared_with, self._runtime.lock)
+        base, config = self.get_base_layer(), self.get_apply_tensor_subclass
+        backend = resolve_quantization_backend(base, get_apply_tensor_subclass=config)
+        return None if backend is None else QuantizedWeight(self, backend)
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
         """Add an adapter: select each neuron's inputs on the frozen weight and create its deltas. `layer_name` (the
@@ -217,8 +272,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
         strategy = "magnitude" if config.selection == "gradient" else config.selection
         quantized = self.quantized()
-        if quantized is not None:
-            keep_standard_layout(self.get_base_layer())
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
         with gather_params_ctx(self.weight_out_in(), modifier_rank=None):
             weight = self.base_weight().reshape(-1, self.in_features) if quantized is None else quantized
@@ -233,56 +286,10 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
-        """The adapter's placement: the same object while its index buffer, rows and deltas' shape are unchanged, and
-        checked again before a kernel or merge reads indices that may have changed: a new buffer (selection, loading)
-        or one written in place (`load_state_dict` in a resume, `copy_`: its version counter shows it; writes through
-        `.data` bypass it, as they bypass autograd's own check)."""
-        # The containers' own dicts: ParameterDict/BufferDict lookups cost 1-1.5 us each, at every visit.
-        shape = self.neuroada_delta._parameters[adapter_name].shape
-        buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
-        if torch.compiler.is_compiling():  # dynamo would guard on what is kept
-            return Placement(from_buffer(buffer, shape), rows)
-        if buffer.is_inference() or (rows is not None and rows.is_inference()):
-            buffer = _versioned(self.neuroada_indices, adapter_name)
-            rows = _versioned(self.neuroada_rows, adapter_name)
-        state = (_tensor_state(buffer), _tensor_state(rows), shape)
-        kept = self._runtime.placements.get(adapter_name)
-        if kept is None or kept[2] != state:
-            # (the tensors stay in the entry, so an id in `state` is never reused while it is kept)
-            with torch.inference_mode(False):  # views made in inference mode would have no version counter
-                if problem := self.placement_problem(shape, buffer, rows):
-                    raise ValueError(
-                        f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': {problem}. They "
-                        "were loaded or changed after the adapter was made (load_state_dict or a checkpoint resume "
-                        "copying other tensors in, a write into the buffer, a conversion of every tensor such as "
-                        "`model.type(...)`), or the adapter was trained on another base model. Nothing was computed "
-                        "or written: load the adapter again from its saved files (PeftModel.from_pretrained / "
-                        "load_adapter) on the base model it was trained on."
-                    )
-                kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows))
-            self._runtime.placements[adapter_name] = kept
-        return kept[3]
-
-    def delete_adapter(self, adapter_name: str) -> None:
-        """peft deletes what `adapter_layer_names` and `other_param_names` name; the kept placement holds the index
-        tensors too, so it goes with them (peft refuses to delete a merged adapter, whose merge record must stay)."""
-        super().delete_adapter(adapter_name)
-        self._runtime.placements.pop(adapter_name, None)
-
-    def placement_problem(
-        self, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None
-    ) -> str | None:
-        """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of
-        `shape` in this layer ("its neuroada_indices ..."), or None."""
-        if buffer is not None:
-            problem = buffer_problem(buffer, shape, self.in_features)
-            if problem := problem or index_problem(from_buffer(buffer, shape), self.in_features):
-                return f"its neuroada_indices {problem}"
-        if rows is not None:
-            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
-            if problem := problem or index_problem(rows, self.out_features, "neuroada_rows"):
-                return f"its neuroada_rows {problem}"
-        return None
+        """Where the adapter's deltas sit: its index buffer read as (n, k) columns, and its rows."""
+        delta = self.neuroada_delta[adapter_name]
+        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
+        return Placement(from_buffer(self.neuroada_indices[adapter_name], delta.shape), rows)
 
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into its quantized weight (requantized: the base values are gone)."""
@@ -310,30 +317,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         with torch.no_grad():
             delta.copy_(self._initial_delta(adapter_name, *delta.shape, delta.dtype))
 
-    def placement_conflict(self, adapters: Sequence[str]) -> str | None:
-        """Why the deltas of `adapters` here sit on different entries (no weighted sum of them is exact), or None."""
-        present = [name for name in adapters if name in self.neuroada_delta]
-        for other in present[1:]:
-            for held in (self.neuroada_indices, self.neuroada_rows):
-                first, second = held._buffers.get(present[0]), held._buffers.get(other)
-                if (first is None) != (second is None) or (first is not None and not torch.equal(first, second)):
-                    return f"adapters '{present[0]}' and '{other}' tune different input connections"
-        return None
-
-    def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
-        """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
-        in at least float32, stored in the first source's dtype (adapters this layer lacks add nothing)."""
-        sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
-        deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
-        dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
-        total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
-        first = sources[0][0]
-        self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
-        if first in self.neuroada_rows:
-            self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
-        requires_grad = self.neuroada_delta[adapter_name].requires_grad
-        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(deltas[0].dtype), requires_grad=requires_grad)
-
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
         delta = self.neuroada_delta[adapter_name].detach()
@@ -341,10 +324,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         write_placed_(dense, self.placement(adapter_name), delta)
         return dense.T if self.fan_in_fan_out else dense
 
-    def _weight_lock(self) -> WeightLock:
-        return self._runtime.lock.on(self.weight_out_in().device)
-
-    def _weight_writes(self, weight: torch.Tensor):  # inference tensors accept writes only in inference mode
+    def _weight_writes(self, weight: torch.Tensor) -> AbstractContextManager:
+        """Inference tensors accept writes only in inference mode."""
         return torch.inference_mode() if weight.is_inference() else torch.no_grad()
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
@@ -358,7 +339,7 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         merged_before = len(self.merged_adapters)
         try:
-            with self._weight_lock(), self._weight_writes(weight):
+            with self.accelerator.weight_writes(self), self._weight_writes(weight):
                 for name in names:
                     self._merge_one(name, safe_merge)
         except BaseException:
@@ -373,7 +354,11 @@ class NeuroAdaLayer(BaseTunerLayer):
         placement = self.placement(name)
         originals = placed_entries(weight, placement)
         merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
-        _check_finite(name, merged, safe_merge)
+        if safe_merge and not torch.isfinite(merged).all():
+            raise ValueError(
+                f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, so its deltas "
+                "are broken (check the training loss and learning rate)."
+            )
         if quantized is None:
             self._merge_originals[name] = (placement.copy(), originals)
         else:
@@ -415,15 +400,15 @@ class NeuroAdaLayer(BaseTunerLayer):
         """Unmerge the latest merged adapters until `count` remain: all or nothing on a float weight; on a quantized
         one each step restores one snapshot, then forgets it, so the layer stays as `merged_adapters` says."""
         if self._quantized_originals:
-            with self._weight_lock():
+            with self.accelerator.weight_writes(self):
                 while len(self.merged_adapters) > count:
-                    self._quantized_originals[self.merged_adapters[-1]].restore()
+                    self._quantized_originals[self.merged_adapters[-1]]()
                     del self._quantized_originals[self.merged_adapters.pop()]
             return
         weight = self.weight_out_in()
         undone = []
         try:
-            with self._weight_lock(), self._weight_writes(weight):
+            with self.accelerator.weight_writes(self), self._weight_writes(weight):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
                     placement, originals = self._merged_entries(name, weight)
@@ -432,7 +417,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                     del self._merge_originals[name]
                     self.merged_adapters.pop()
         except BaseException:
-            with self._weight_lock(), self._weight_writes(weight):
+            with self.accelerator.weight_writes(self), self._weight_writes(weight):
                 for name, placement, originals, merged in reversed(undone):
                     write_placed_(weight, placement, merged)
                     self._merge_originals[name] = (placement, originals)
@@ -441,30 +426,9 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise
 
 
-def _versioned(container: BufferDict, name: str) -> torch.Tensor | None:
-    """`container[name]` (None if absent), not an inference tensor: those have no version counter."""
-    tensor = container._buffers.get(name)
-    if tensor is not None and tensor.is_inference():
-        with torch.inference_mode(False):
-            tensor = container[name] = tensor.clone()
-    return tensor
-
-
-def _tensor_state(tensor: torch.Tensor | None) -> tuple | None:
-    """What changes when a tensor is replaced, re-pointed (`.data = ...`) or written in place (its version)."""
-    return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version)
-
-
-def _check_finite(adapter_name: str, merged: torch.Tensor, safe_merge: bool) -> None:
-    if safe_merge and not torch.isfinite(merged).all():
-        raise ValueError(
-            f"Refusing to merge adapter '{adapter_name}': it would put NaN/inf values into the base weight, "
-            "so its deltas are broken (check the training loss and learning rate)."
-        )
-
-
 class Linear(nn.Module, NeuroAdaLayer):
-    """NeuroAda around `nn.Linear` (weight d_out x d_in) or transformers' `Conv1D` (weight d_in x d_out)."""
+    """NeuroAda around `nn.Linear` (weight d_out x d_in), transformers' `Conv1D` (weight d_in x d_out), or a quantized
+    linear layer peft has a quantization backend for."""
 
     def __init__(
         self,
@@ -476,7 +440,7 @@ class Linear(nn.Module, NeuroAdaLayer):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        NeuroAdaLayer.__init__(self, base_layer, fan_in_fan_out=fan_in_fan_out)
+        NeuroAdaLayer.__init__(self, base_layer, fan_in_fan_out=fan_in_fan_out, **kwargs)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name=layer_name)
 
@@ -484,23 +448,18 @@ class Linear(nn.Module, NeuroAdaLayer):
         if self.disable_adapters:  # before adapter_names, as LoRA: `disable_adapter()` serves the base model
             if self.merged:
                 self.unmerge()
-            return frozen_output(self.frozen(), x, *args, **kwargs)
-        if adapter_names is None and _SERVING and (mixed := _MIXED_BATCH.get()) is not None:
-            adapter_names = mixed.for_layer(self)
+            return self.accelerator.frozen_output(self, x, *args, **kwargs)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
-            return frozen_output(self.frozen(), x, *args, **kwargs)
+            return self.accelerator.frozen_output(self, x, *args, **kwargs)
         return self._adapted(x, active, *args, **kwargs)
 
     def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
         offloaded = self.offloaded_containers()
         with onloaded(offloaded) if offloaded else nullcontext():
-            placements = [self.placement(name) for name in adapters]
-            deltas = [self.neuroada_delta[name] for name in adapters]
-            inplace = all(self.inplace_forward[name] for name in adapters)
-            return adapted_linear(self.frozen(), x, placements, deltas, self.out_features, inplace, *args, **kwargs)
+            return self.accelerator.adapted_output(self, x, adapters, *args, **kwargs)
 
     def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list[str], *args: Any, **kwargs: Any):
         """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""
@@ -514,7 +473,7 @@ class Linear(nn.Module, NeuroAdaLayer):
                 "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
             )
         if not adapter_names:  # no rows: the base layer's empty output, shaped and typed as LoRA's
-            return frozen_output(self.frozen(), x, *args, **kwargs)
+            return self.accelerator.frozen_output(self, x, *args, **kwargs)
         rows_of: dict[str, list[int]] = {}
         for row, name in enumerate(adapter_names):
             rows_of.setdefault(name, []).append(row)
@@ -525,7 +484,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             if name in self.neuroada_delta:
                 out = self._adapted(sub_batch, [name], *args, **kwargs)
             else:
-                out = frozen_output(self.frozen(), sub_batch, *args, **kwargs)
+                out = self.accelerator.frozen_output(self, sub_batch, *args, **kwargs)
             if result is None:
                 result = out.new_empty((len(x), *out.shape[1:]))
             result.index_copy_(0, index, out.to(result.dtype))

@@ -1,0 +1,176 @@
+"""The plugin's NeuroAda layers: the tuner's, computing through the accelerators, with the plugin's guard rails.
+
+On top of the tuner's layers they keep each adapter's placement for reuse and check its indices whenever they change
+(the C kernels read them through raw pointers), serve mixed batches per thread (a context variable where peft's
+forward hooks would reach every thread's calls), and read quantized weights a block of rows at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+
+from .loading import buffer_problem, index_problem
+from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
+from .tuner import experts, layer
+from .tuner.index_storage import from_buffer
+from .tuner.model import MixedBatch
+from .tuner.placement import Placement
+from .weighted_adapters import WeightedLayer
+
+PLAIN_PATH = layer.Accelerator()
+
+
+@functools.cache
+def installed_accelerator() -> layer.Accelerator:
+    """`peft_neuroada.accel`'s accelerator, imported with the first layer (it registers a torch custom op and, on
+    first use, fork handlers and a compiled library); the plain path where it cannot be imported."""
+    try:
+        from .accel import ACCELERATOR
+    except ImportError:
+        return PLAIN_PATH
+    return ACCELERATOR
+
+
+# The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
+# `ContextVar.get`, but guards on the plain list of calls serving one (append and remove are atomic): graphs without
+# one never read the context variable.
+_MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
+_SERVING: list[object] = []
+
+
+@contextmanager
+def serving(mixed: MixedBatch) -> Iterator[None]:
+    """Make `mixed` the batch this thread's NeuroAda layers serve, for the duration of the block."""
+    token = _MIXED_BATCH.set(mixed)
+    _SERVING.append(token)
+    try:
+        yield
+    finally:
+        _SERVING.remove(token)
+        _MIXED_BATCH.reset(token)
+
+
+class KeptPlacements(dict):
+    """A layer's placements by adapter, kept for the process it runs in: copies and pickles start empty."""
+
+    def __reduce__(self) -> tuple:
+        return (KeptPlacements, ())
+
+    def __deepcopy__(self, memo: dict) -> KeptPlacements:
+        return KeptPlacements()
+
+
+class PluginLayer(WeightedLayer):
+    """What the plugin adds to a tuner layer (mixed in before it)."""
+
+    requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        PluginLayer.accelerator = installed_accelerator()
+        super().__init__(*args, **kwargs)
+
+    def placement(self, adapter_name: str) -> Placement:
+        """The adapter's placement: the same object while its index buffer, rows and deltas' shape are unchanged, and
+        checked again before a kernel or merge reads indices that may have changed: a new buffer (selection, loading)
+        or one written in place (`load_state_dict` in a resume, `copy_`: its version counter shows it; writes through
+        `.data` bypass it, as they bypass autograd's own check)."""
+        # The containers' own dicts: ParameterDict/BufferDict lookups cost 1-1.5 us each, at every visit.
+        shape = self.neuroada_delta._parameters[adapter_name].shape
+        buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
+        if torch.compiler.is_compiling():  # dynamo would guard on what is kept
+            return Placement(from_buffer(buffer, shape), rows)
+        if buffer.is_inference() or (rows is not None and rows.is_inference()):
+            buffer = _versioned(self.neuroada_indices, adapter_name)
+            rows = _versioned(self.neuroada_rows, adapter_name)
+        state = (_tensor_state(buffer), _tensor_state(rows), shape)
+        placements = vars(self).get("_placements")
+        if placements is None:
+            placements = vars(self).setdefault("_placements", KeptPlacements())
+        kept = placements.get(adapter_name)
+        if kept is None or kept[2] != state:
+            # (the tensors stay in the entry, so an id in `state` is never reused while it is kept)
+            with torch.inference_mode(False):  # views made in inference mode would have no version counter
+                if problem := self.placement_problem(shape, buffer, rows):
+                    raise ValueError(
+                        f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': {problem}. They "
+                        "were loaded or changed after the adapter was made (load_state_dict or a checkpoint resume "
+                        "copying other tensors in, a write into the buffer, a conversion of every tensor such as "
+                        "`model.type(...)`), or the adapter was trained on another base model. Nothing was computed "
+                        "or written: load the adapter again from its saved files (PeftModel.from_pretrained / "
+                        "load_adapter) on the base model it was trained on."
+                    )
+                kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows))
+            placements[adapter_name] = kept
+        return kept[3]
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """peft's, also dropping the adapter's kept placement (a merged adapter cannot be deleted: peft refuses, as its
+        merge record must stay)."""
+        super().delete_adapter(adapter_name)
+        vars(self).get("_placements", {}).pop(adapter_name, None)
+
+    def placement_problem(
+        self, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> str | None:
+        """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of
+        `shape` in this layer ("its neuroada_indices ..."), or None."""
+        if buffer is not None:
+            problem = buffer_problem(buffer, shape, self.in_features)
+            if problem := problem or index_problem(from_buffer(buffer, shape), self.in_features):
+                return f"its neuroada_indices {problem}"
+        if rows is not None:
+            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
+            if problem := problem or index_problem(rows, self.out_features, "neuroada_rows"):
+                return f"its neuroada_rows {problem}"
+        return None
+
+    def frozen(self):
+        """The frozen layer as the accelerated paths take it (for inspecting the path a call takes)."""
+        if self.accelerator is PLAIN_PATH:
+            raise RuntimeError("peft_neuroada.accel is not importable here: every layer takes the plain path.")
+        from .accel import frozen_linear
+
+        return frozen_linear(self)
+
+
+class Linear(PluginLayer, layer.Linear):
+    __doc__ = layer.Linear.__doc__
+
+    def forward(self, x: torch.Tensor, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any):
+        if adapter_names is None and _SERVING and (mixed := _MIXED_BATCH.get()) is not None:
+            adapter_names = mixed.for_layer(self)
+        return super().forward(x, *args, adapter_names=adapter_names, **kwargs)
+
+    def quantized(self) -> QuantizedLinear | None:
+        """The base layer seen as its dequantized weight, read a block of rows at a time (None: a float weight)."""
+        return quantized_linear(self.get_base_layer(), self.requantize_with)
+
+    def _select(self, adapter_name: str, config: Any, k: int) -> tuple[int, torch.dtype]:
+        if self.quantized() is not None:
+            keep_standard_layout(self.get_base_layer())
+        return super()._select(adapter_name, config, k)
+
+
+class ParamWrapper(PluginLayer, experts.ParamWrapper):
+    __doc__ = experts.ParamWrapper.__doc__
+
+
+def _versioned(container: BufferDict, name: str) -> torch.Tensor | None:
+    """`container[name]` (None if absent), not an inference tensor: those have no version counter."""
+    tensor = container._buffers.get(name)
+    if tensor is not None and tensor.is_inference():
+        with torch.inference_mode(False):
+            tensor = container[name] = tensor.clone()
+    return tensor
+
+
+def _tensor_state(tensor: torch.Tensor | None) -> tuple | None:
+    """What changes when a tensor is replaced, re-pointed (`.data = ...`) or written in place (its version)."""
+    return None if tensor is None else (id(tensor), tensor.data_ptr(), tensor._version)

@@ -1,0 +1,162 @@
+"""Configuration of a NeuroAda adapter."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+from .selection import STRATEGIES
+
+# The paper's projections (attention q/k/v/o, MLP gate/up/down) under the names transformers 5 gives them.
+LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Defaults for `target_modules=None`, as peft's TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING tables (transformers
+# 5 names). MoE models keep attention and any dense or shared-expert MLP here; their experts are parameters (below).
+TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
+    **dict.fromkeys(
+        "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text olmo2 mixtral qwen2_moe qwen3_moe gpt_oss olmoe "
+        "granitemoe phimoe".split(),
+        LLAMA_STYLE_TARGETS,
+    ),
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    # DeepSeek's multi-head latent attention projects q and kv through a low-rank pair each.
+    **dict.fromkeys(
+        ("deepseek_v2", "deepseek_v3"),
+        ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *LLAMA_STYLE_TARGETS[4:]],
+    ),
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    **dict.fromkeys(("bert", "roberta"), ["query", "key", "value", "dense"]),
+}
+# MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
+EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def default_targets(model_type: str | None) -> set[str]:
+    """The modules adapted when `target_modules` is None; unknown architectures get the paper's projections under
+    their separate and fused names."""
+    fallback = [*LLAMA_STYLE_TARGETS, *FUSED_PROJECTIONS]
+    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, fallback))
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one dtype table
+METHOD_NAME = "neuroada"  # peft's name for the method
+PREFIX = "neuroada_"  # of every adapter attribute and state-dict key it owns
+BIAS_OPTIONS = ("none", "all", f"{METHOD_NAME}_only")  # peft's, as its BaseTuner names them
+SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.Generator.manual_seed's; layer_generator's XOR with a CRC32 stays inside
+
+
+def _field(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class NeuroAdaConfig(PeftConfig):
+    """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
+    deltas on selected inputs, stored with their column indices; the frozen weight is never copied. See the README."""
+
+    k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
+    target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")
+    exclude_modules: list[str] | str | None = _field(None, "Module names or regex to leave untouched.")
+    target_parameters: list[str] | None = _field(
+        None,
+        "Parameters to adapt by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), top-k per "
+        "neuron of each expert. None with target_modules None: the model's expert projections.",
+    )
+    layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
+    layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
+    selection: str = _field("magnitude", f"One of {STRATEGIES}; 'gradient' needs select_by_gradient.")
+    selection_seed: int = _field(0, "Seed for 'random' and neuron_fraction, combined with each layer's name.")
+    neuron_fraction: float = _field(1.0, "Share of each layer's neurons, drawn with selection_seed, that is tuned.")
+    fan_in_fan_out: bool = _field(False, "True for (in, out) weights like GPT-2's Conv1D (detected and corrected).")
+    init_weights: bool = _field(True, "Zero deltas, so the model starts as its base (False: random ones, for tests).")
+    bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
+    delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
+    inplace_forward: bool = _field(True, "Add the deltas into the frozen weight per matmul, restored exactly.")
+    modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PeftType[METHOD_NAME.upper()]
+        self._check_fields()
+        self.neuron_fraction = float(self.neuron_fraction)
+        for name in ("target_modules", "exclude_modules"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, set(getattr(self, name)))
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
+
+    def _check_fields(self) -> None:
+        """Refuse a wrong field by name before anything reads it (loaded configs too: peft builds them from JSON)."""
+        names, fraction, flag = "a list or set of module names", self.neuron_fraction, "True or False"
+        layers = self.layers_to_transform if isinstance(self.layers_to_transform, list) else [self.layers_to_transform]
+        accepted = {
+            "k": (_is_int(self.k) and self.k >= 1, "a positive integer (the paper uses 1 or 20)"),
+            "target_modules": (
+                _is_none_or_names(self.target_modules, str, list, set),
+                f"None, a string (a regex, or 'all-linear') or {names}",
+            ),
+            "exclude_modules": (_is_none_or_names(self.exclude_modules, str, list, set), f"None, a regex or {names}"),
+            "target_parameters": (
+                _is_none_or_names(self.target_parameters, list, set, tuple),
+                "None or a list of parameter names (e.g. ['experts.gate_up_proj', 'experts.down_proj'])",
+            ),
+            "layers_to_transform": (
+                self.layers_to_transform is None or all(_is_int(i) and i >= 0 for i in layers),
+                "None, a layer index (an integer >= 0) or a list of layer indices",
+            ),
+            "layers_pattern": (
+                _is_none_or_names(self.layers_pattern, str, list),
+                "None, the name of the model's list of layers (e.g. 'layers', 'h') or a list of such names",
+            ),
+            "selection": (isinstance(self.selection, str) and self.selection in STRATEGIES, f"one of {STRATEGIES}"),
+            "selection_seed": (
+                _is_int(self.selection_seed) and SEED_RANGE[0] <= self.selection_seed <= SEED_RANGE[1],
+                "an integer from -2**63 to 2**64 - 1 (what torch.Generator.manual_seed takes)",
+            ),
+            "neuron_fraction": (
+                isinstance(fraction, numbers.Real) and not isinstance(fraction, bool) and 0 < fraction <= 1,
+                "in (0, 1]: a number, the share of each layer's neurons that is tuned",
+            ),
+            "fan_in_fan_out": (isinstance(self.fan_in_fan_out, bool), flag),
+            "init_weights": (isinstance(self.init_weights, bool), flag),
+            "bias": (isinstance(self.bias, str) and self.bias in BIAS_OPTIONS, f"one of {BIAS_OPTIONS}"),
+            "delta_dtype": (
+                self.delta_dtype is None or (isinstance(self.delta_dtype, str) and self.delta_dtype in DTYPES),
+                f"one of {sorted(DTYPES)} or None",
+            ),
+            "inplace_forward": (isinstance(self.inplace_forward, bool), flag),
+            "modules_to_save": (_is_none_or_names(self.modules_to_save, list), "None or a list of module names"),
+        }
+        for name, (ok, what) in accepted.items():
+            if not ok:
+                raise ValueError(f"NeuroAdaConfig.{name} must be {what} (got {getattr(self, name)!r}).")
+
+    @property
+    def trainable_token_indices(self) -> None:
+        """LoRA's option, which tools such as TRL read on any peft config; setting it says what to do instead."""
+        return None
+
+    @trainable_token_indices.setter
+    def trainable_token_indices(self, value: object) -> None:
+        raise ValueError(
+            f"NeuroAda has no trainable_token_indices (asked for {value!r}): it is a LoRA option in peft. Train the "
+            'embeddings through modules_to_save (e.g. NeuroAdaConfig(modules_to_save=["embed_tokens", "lm_head"])), '
+            "after adding the new tokens to the tokenizer and resizing the model's embeddings yourself."
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_none_or_names(value: object, *kinds: type) -> bool:
+    """None, or one of `kinds`: a string, or a collection of strings."""
+    return value is None or (
+        isinstance(value, kinds) and (isinstance(value, str) or all(isinstance(v, str) for v in value))
+    )

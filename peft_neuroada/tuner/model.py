@@ -1,0 +1,270 @@
+"""NeuroAdaModel: wires NeuroAda layers into a model and checks adapters against it on load."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from peft.tuners.tuners_utils import (
+    BaseTuner,
+    BaseTunerLayer,
+    _maybe_include_all_linear_layers,
+    check_target_module_exists,
+)
+from peft.utils import get_quantization_kwargs, resolve_quantization_backend
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import (
+    EXPERT_PROJECTIONS,
+    PREFIX,
+    TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING,
+    NeuroAdaConfig,
+    default_targets,
+)
+from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
+from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
+
+
+class MixedBatch(NamedTuple):
+    """peft's `adapter_names` of a forward/generate call, per row (`"__base__"`: none); under beam search the encoder
+    layers of an encoder-decoder model see the unrepeated names."""
+
+    names: list[str]
+    encoder_names: list[str] | None = None
+    encoder_layers: frozenset[int] = frozenset()
+
+    def for_layer(self, layer: nn.Module) -> list[str]:
+        return self.encoder_names if id(layer) in self.encoder_layers else self.names
+
+
+class NeuroAdaModel(BaseTuner):
+    """Creates a NeuroAda model from a pretrained transformers model.
+
+    Example:
+        ```py
+        >>> import peft_neuroada
+        >>> from peft import get_peft_model
+        >>> model = get_peft_model(base_model, peft_neuroada.NeuroAdaConfig(k=1))
+        >>> model.print_trainable_parameters()
+        ```
+    """
+
+    prefix: str = PREFIX
+    tuner_layer_cls = NeuroAdaLayer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
+    # The layer classes it creates (the plugin puts its own subclasses here).
+    linear_cls: ClassVar[type[Linear]] = Linear
+    param_wrapper_cls: ClassVar[type[ParamWrapper]] = ParamWrapper
+
+    def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
+        """Defaults: the paper's projections the model has, its experts' included."""
+        if peft_config.target_modules is None:
+            peft_config.target_modules = default_targets(model_config.get("model_type"))
+            if peft_config.target_parameters is None:
+                peft_config.target_parameters = sorted({short for short, _ in expert_projections(self.model)}) or None
+        return peft_config
+
+    def _check_new_adapter_config(self, config: NeuroAdaConfig) -> None:
+        """As peft's LoRA: every adapter with target_parameters targets the same ones (their wrappers nest in one
+        order, which the saved keys encode)."""
+        super()._check_new_adapter_config(config)
+        for name, other in self.peft_config.items():
+            if other is not config and other.target_parameters and config.target_parameters:
+                if set(other.target_parameters) != set(config.target_parameters):
+                    raise ValueError(
+                        "NeuroAda adapters with target_parameters must all target the same parameters, but the new "
+                        f"adapter targets {sorted(config.target_parameters)} and adapter '{name}' "
+                        f"{sorted(other.target_parameters)}. Give it the same target_parameters."
+                    )
+
+    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        mark_shared_weights(model)
+        # Tags end up in the model card written by save_pretrained / push_to_hub.
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(["neuroada", "peft-neuroada"])
+        if config.selection == "gradient" and not config.inference_mode:
+            warnings.warn(
+                f"Adapter '{adapter_name}' uses selection='gradient': its inputs are chosen by magnitude until you "
+                "call peft_neuroada.select_by_gradient(model, calibration_batches) before training.",
+                stacklevel=2,
+            )
+
+    def _create_and_replace(
+        self,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        **optional_kwargs: Any,
+    ) -> None:
+        parameter_name = optional_kwargs.get("parameter_name")
+        if isinstance(target, NeuroAdaLayer) and getattr(target, "parameter_name", None) == parameter_name:
+            target.update_layer(adapter_name, config, layer_name=current_key)
+            return
+        if parameter_name is not None:
+            new_module = self.param_wrapper_cls(target, adapter_name, parameter_name, config, layer_name=current_key)
+        else:
+            new_module = self._create_new_module(config, adapter_name, target, current_key, self)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    @classmethod
+    def _create_new_module(
+        cls, config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str, tuner: BaseTuner
+    ) -> Linear:
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        kwargs = get_quantization_kwargs(tuner)
+        linear = isinstance(base, (nn.Linear, Conv1D))
+        if not linear and getattr(resolve_quantization_backend(base, **kwargs), "layer_type", None) != "linear":
+            raise TypeError(
+                f"NeuroAda cannot adapt module '{current_key}' of type {type(base).__name__}: only torch.nn.Linear, "
+                "transformers' Conv1D and the quantized linear layers peft knows are supported. Remove it from "
+                "target_modules or add it to exclude_modules."
+            )
+        fan_in_fan_out = isinstance(base, Conv1D)
+        if fan_in_fan_out != config.fan_in_fan_out:
+            warnings.warn(
+                f"fan_in_fan_out={config.fan_in_fan_out} does not match {type(base).__name__} layers; "
+                f"using fan_in_fan_out={fan_in_fan_out} for them.",
+                stacklevel=2,
+            )
+            config.fan_in_fan_out = fan_in_fan_out  # as LoRA does: the saved config then loads without the warning
+        return cls.linear_cls(
+            target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key, **kwargs
+        )
+
+    def _check_merge_allowed(self) -> None:
+        super()._check_merge_allowed()
+        mark_shared_weights(self.model)
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """Mixed-batch inference (`adapter_names=[...]` in forward/generate) as peft's LoRA offers it: forward
+        pre-hooks hand each NeuroAda layer and `modules_to_save` wrapper its rows' names for the call."""
+        mixed = self._mixed_batch(kwargs.pop("adapter_names", None), kwargs.get("num_beams"))
+        if mixed is None:
+            yield
+            return
+        hooks = [
+            module.register_forward_pre_hook(
+                partial(_pass_adapter_names, adapter_names=mixed.for_layer(module)), with_kwargs=True
+            )
+            for module in self.model.modules()
+            if isinstance(module, (NeuroAdaLayer, AuxiliaryTrainingWrapper))
+        ]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _mixed_batch(self, adapter_names: list[str] | None, num_beams: Any) -> MixedBatch | None:
+        """The call's `adapter_names` checked, with what beam search repeats (None: no mixed batch)."""
+        if adapter_names is None:
+            return None
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        if any(isinstance(module, ParamWrapper) for module in self.model.modules()):
+            raise ValueError(MIXED_BATCH_REFUSAL)
+        unexpected = {name for name in adapter_names if name != BASE_ADAPTER_NAME} - self.peft_config.keys()
+        if unexpected:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unexpected))}")
+        if not (isinstance(num_beams, int) and num_beams > 1):
+            return MixedBatch(list(adapter_names))
+        # Beam search repeats every input num_beams times, except in an encoder.
+        encoder = _get_encoder(self.model)
+        return MixedBatch(
+            [name for name in adapter_names for _ in range(num_beams)],
+            list(adapter_names),
+            frozenset(id(m) for m in encoder.modules()) if encoder is not None else frozenset(),
+        )
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # An explicit delta_dtype is the user's choice and must survive peft's float32 upcast.
+        if self.peft_config[adapter_name].delta_dtype is None:
+            super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
+
+
+def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Module]]:
+    """The modules `config` adapts in `model`, resolving default and "all-linear" targets as injection does."""
+    config = copy.deepcopy(config)
+    if config.target_modules is None:
+        config.target_modules = default_targets(getattr(getattr(model, "config", None), "model_type", None))
+    config = _maybe_include_all_linear_layers(config, model)
+    return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
+
+
+def targeted_parameters(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `config.target_parameters` names in `model`, matched as peft matches them (by full name or
+    name suffix), under their names without peft's wrapper levels."""
+    targets = config.target_parameters or ()
+    return [
+        (name, param)
+        for name, param in _parameters_without_wrappers(model)
+        if any(name == target or name.endswith(f".{target}") for target in targets)
+    ]
+
+
+def expert_projections(model: nn.Module) -> list[tuple[str, str]]:
+    """The model's MoE expert weights that are projections of the paper's set: (e.g. 'experts.gate_up_proj', full
+    name) for every 3-D parameter named in EXPERT_PROJECTIONS."""
+    return [
+        (".".join(name.split(".")[-2:]), name)
+        for name, param in _parameters_without_wrappers(model)
+        if param.dim() == 3 and name.rpartition(".")[2] in EXPERT_PROJECTIONS
+    ]
+
+
+def _parameters_without_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The model's parameters, named as in the model before any NeuroAda layer wrapped them."""
+    for name, param in model.named_parameters():
+        if PREFIX not in name:
+            yield name.replace(".base_layer", "").replace(".parametrizations.", ".").removesuffix(".original"), param
+
+
+def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
+    return args, {**kwargs, "adapter_names": adapter_names}
+
+
+def _get_encoder(model: nn.Module) -> nn.Module | None:
+    """The encoder of an encoder-decoder model, None otherwise (transformers 5 returns the model itself then)."""
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
+    return None if encoder is model else encoder
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """Tensors with equal keys share memory (for tensors without plain storage: only the tensor itself)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        pointer = 0
+    return (tensor.device, pointer) if pointer else ("object", id(tensor))
+
+
+def mark_shared_weights(model: nn.Module) -> None:
+    """Record on every NeuroAda layer which other modules hold its base weight (the same tensor, or its memory)."""
+    holders: dict[tuple, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        own = itertools.chain(
+            module.named_parameters(recurse=False, remove_duplicate=False),
+            module.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        for _, tensor in own:
+            if tensor is not None:
+                holders.setdefault(_storage_key(tensor), []).append((name, module))
+    for module in model.modules():
+        if isinstance(module, NeuroAdaLayer):
+            base = module.get_base_layer()
+            held = holders.get(_storage_key(module.weight_out_in()), [])
+            module.weight_shared_with = tuple(sorted({name for name, holder in held if holder is not base}))

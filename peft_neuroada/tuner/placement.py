@@ -1,0 +1,64 @@
+"""Where an adapter's deltas sit in a weight, and reading or writing exactly those entries (merge, unmerge)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Placement:
+    """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
+    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). What backward derives from the columns
+    is computed once per placement (`columns_read`)."""
+
+    __slots__ = ("cols", "rows", "_columns_read")
+
+    def __init__(self, cols: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        self.cols, self.rows = cols, rows
+        self._columns_read: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def columns_read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sorted distinct input columns the deltas read, and `cols` as positions among them (in cols' dtype, so
+        a kept re-indexing costs no more memory than the index)."""
+        if self._columns_read is None:
+            self._columns_read = unique_columns(self.cols)
+        return self._columns_read
+
+    def copy(self, device: torch.device | None = None) -> Placement:
+        """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
+        copy = (lambda t: t.clone()) if device is None else (lambda t: t.to(device))
+        return Placement(copy(self.cols), None if self.rows is None else copy(self.rows))
+
+
+def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
+    return used, local.to(cols.dtype).view(cols.shape)
+
+
+def storage_view(weight: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the weight's storage, through `weight.data`: writes never move the version counter, so another
+    graph that saved the weight still runs its backward (a merge is the model's new weight, as LoRA's merge through
+    `weight.data` makes it)."""
+    weight = weight.data
+    return weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
+
+
+def positions(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Where the placement's entries sit in `storage_view(weight)`, shaped like the deltas (any strides, any
+    neurons). A stack of experts' weights (E, d_out, d_in) counts its neurons expert after expert: neuron
+    `e * d_out + i`."""
+    cols = placement.cols
+    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
+    if weight.dim() == 3:
+        expert, rows = rows.div(weight.shape[1], rounding_mode="floor"), rows.remainder(weight.shape[1])
+        return (expert * weight.stride(0) + rows * weight.stride(1))[:, None] + cols.long() * weight.stride(2)
+    return rows[:, None] * weight.stride(0) + cols.long() * weight.stride(1)
+
+
+def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """The entries of a (d_out, d_in) `weight` (or an (E, d_out, d_in) stack) at the placement, shaped like the
+    deltas."""
+    return storage_view(weight)[positions(weight, placement)]
+
+
+def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
+    storage_view(weight).index_put_((positions(weight, placement),), values)

@@ -1,0 +1,142 @@
+"""`add_weighted_adapter` for NeuroAda: exact where the sources share their placement, refused elsewhere. A plugin
+feature beside the tuner (peft's small tuners have none); docs/upstream.md names it as a later PR's."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner
+from peft.utils.other import ModulesToSaveWrapper
+from torch import nn
+
+from .tuner.config import NeuroAdaConfig
+from .tuner.layer import NeuroAdaLayer
+from .tuner.model import targeted_modules
+
+
+class WeightedAdapters(BaseTuner):
+    """The model's side (mixed in before the tuner's NeuroAdaModel)."""
+
+    def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
+        """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
+        what merging each source scaled by its weight would change in the base weights.
+
+        That is exact only where the sources tune the same input connections (one k, neuron_fraction and selection on
+        the same base model); anything else is refused before the model changes, naming the layer. `modules_to_save`
+        are copied, unweighted, from the one source that saves them. LoRA's `combination_type`s work on low-rank
+        factors, which NeuroAda deltas do not have."""
+        if refusal := self._weighted_adapter_refusal(adapters, weights, adapter_name):
+            raise ValueError(refusal)
+        configs = [self.peft_config[name] for name in adapters]
+        layers = {
+            name: layer
+            for name, layer in self.model.named_modules()
+            if isinstance(layer, NeuroAdaLayer) and any(adapter in layer.neuroada_delta for adapter in adapters)
+        }
+        heads = [
+            (wrapper, next(name for name in adapters if name in wrapper.modules_to_save))
+            for wrapper in self.model.modules()
+            if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
+        ]
+        active = copy.copy(self.active_adapter)
+        self.peft_config[adapter_name] = self._config_for_layers(configs, set(layers))
+        try:
+            self.inject_adapter(self.model, adapter_name)
+            for layer in layers.values():
+                layer.set_weighted_sum(adapter_name, adapters, weights)
+            for wrapper, holder in heads:
+                wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[holder].state_dict())
+        except BaseException:
+            if adapter_name in self.peft_config:
+                self.delete_adapter(adapter_name)
+            self.active_adapter = active
+            raise
+
+    def _weighted_adapter_refusal(self, adapters: list[str], weights: list[float], adapter_name: str) -> str | None:
+        """Why `add_weighted_adapter` cannot combine these exactly, or None."""
+        if adapter_name in self.peft_config:
+            return f"Adapter with name '{adapter_name}' already exists."
+        if not adapters:
+            return "add_weighted_adapter needs at least one adapter to combine (got none)."
+        if len(weights) != len(adapters):
+            got = f"{len(adapters)} adapters and {len(weights)} weights"
+            return f"add_weighted_adapter needs one weight per adapter (got {got})."
+        if not all(math.isfinite(weight) for weight in weights):
+            return f"add_weighted_adapter needs finite weights (got {weights})."
+        if missing := [name for name in adapters if name not in self.peft_config]:
+            return f"Adapter {missing[0]} does not exist"
+        configs = [self.peft_config[name] for name in adapters]
+        if biased := [(name, c.bias) for name, c in zip(adapters, configs, strict=True) if c.bias != "none"]:
+            return (
+                f"Cannot weight adapter '{biased[0][0]}': it trains biases (bias={biased[0][1]!r}), which live in the "
+                "base model, apply to every adapter and cannot be scaled. Combine adapters trained with bias='none'."
+            )
+        if len({(c.k, c.neuron_fraction) for c in configs}) > 1:
+            pairs = zip(adapters, configs, strict=True)
+            listed = ", ".join(f"'{n}': k={c.k}, neuron_fraction={c.neuron_fraction}" for n, c in pairs)
+            return (
+                f"Cannot combine NeuroAda adapters with different k or neuron_fraction ({listed}): their deltas have "
+                "different shapes and tune different input connections. Combine adapters trained with the same ones."
+            )
+        wrappers = [m for m in self.model.modules() if isinstance(m, ModulesToSaveWrapper)]
+        if shared := sum(sum(name in wrapper.modules_to_save for name in adapters) > 1 for wrapper in wrappers):
+            return (
+                "Cannot add weighted adapters if they target the same module with modules_to_save, but found "
+                f"{shared} such instance(s)."
+            )
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, NeuroAdaLayer) and (conflict := layer.placement_conflict(adapters)):
+                return (
+                    f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices differ), "
+                    "so no single set of k deltas per neuron holds their sum. Combine adapters trained with the same "
+                    "k, neuron_fraction and selection on the same base model, or activate them together instead "
+                    "(`model.base_model.set_adapter([...])`), which adds them at weight 1."
+                )
+        return None
+
+    def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
+        """The first source's config with every source's `modules_to_save`, targeting exactly `layer_names` (by its
+        own targets where they do, else by the layers' names)."""
+        config = copy.deepcopy(sources[0])
+        saved = [module for source in sources for module in source.modules_to_save or ()]
+        config.modules_to_save = list(dict.fromkeys(saved)) or None
+        inside_layers = tuple(f"{name}." for name in layer_names)
+        targeted = {name for name, _ in targeted_modules(self.model, config) if not name.startswith(inside_layers)}
+        if targeted != layer_names:
+            config.target_modules = "|".join(re.escape(name) for name in sorted(layer_names))
+            config.exclude_modules = config.layers_to_transform = config.layers_pattern = None
+        return config
+
+
+class WeightedLayer:
+    """The layer's side (mixed in before the tuner's layers)."""
+
+    def placement_conflict(self, adapters: Sequence[str]) -> str | None:
+        """Why the deltas of `adapters` here sit on different entries (no weighted sum of them is exact), or None."""
+        present = [name for name in adapters if name in self.neuroada_delta]
+        for other in present[1:]:
+            for held in (self.neuroada_indices, self.neuroada_rows):
+                first = held[present[0]] if present[0] in held else None
+                second = held[other] if other in held else None
+                if (first is None) != (second is None) or (first is not None and not torch.equal(first, second)):
+                    return f"adapters '{present[0]}' and '{other}' tune different input connections"
+        return None
+
+    def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
+        """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
+        in at least float32, stored in the first source's dtype (adapters this layer lacks add nothing)."""
+        sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
+        deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
+        dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
+        total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
+        first = sources[0][0]
+        self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
+        if first in self.neuroada_rows:
+            self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
+        requires_grad = self.neuroada_delta[adapter_name].requires_grad
+        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(deltas[0].dtype), requires_grad=requires_grad)
