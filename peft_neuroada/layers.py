@@ -75,6 +75,7 @@ class PluginLayer(WeightedLayer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         PluginLayer.accelerator = installed_accelerator()
         super().__init__(*args, **kwargs)
+        self.accelerator.weight_writes(self)  # the accelerators make the layer's lock now, never within a visit
 
     def placement(self, adapter_name: str) -> Placement:
         """The adapter's placement: the same object while its index buffer, rows and deltas' shape are unchanged, and

@@ -33,6 +33,8 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
 
     linear_cls = layers.Linear
     param_wrapper_cls = layers.ParamWrapper
+    model_tags = ["neuroada", "peft-neuroada"]
+    select_by_gradient_name = "peft_neuroada.select_by_gradient"
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """The tuner's defaults; a new adapter that leaves some of the paper's projections out says which, once."""

@@ -152,7 +152,7 @@ def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
     """The biases a config's `bias` option trains, chosen as peft's BaseTuner chooses them."""
     if bias == "all":
         return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
-    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and m.bias is not None]
+    return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and getattr(m, "bias", None) is not None]
 
 
 def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:

@@ -103,9 +103,15 @@ class Snapshot(NamedTuple):
 
     module: nn.Module
     attributes: dict[str, Any]
+    weight_state: dict[str, Any]  # the weight's own attributes: peft's requantizing marks the replaced one unquantized
+
+    @classmethod
+    def of(cls, module: nn.Module, attributes: dict[str, Any]) -> Snapshot:
+        return cls(module, attributes, dict(vars(attributes["weight"])))
 
     def __call__(self) -> None:
         """Put it back (the tuner's layers restore a merged quantized weight by calling its snapshot)."""
+        vars(self.attributes["weight"]).update(self.weight_state)
         for name, value in self.attributes.items():
             setattr(self.module, name, value)
 
@@ -170,7 +176,7 @@ class QuantizedLinear:
         return None
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.base, {"weight": self.base.weight})
+        return Snapshot.of(self.base, {"weight": self.base.weight})
 
 
 class Bnb4bit(QuantizedLinear):
@@ -216,7 +222,7 @@ class Bnb4bit(QuantizedLinear):
         return functional.dequantize_4bit(codes[start * d_in // 2 : stop * d_in // 2], rows_state)
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.base, {"weight": self.base.weight, "quant_state": self.base.quant_state})
+        return Snapshot.of(self.base, {"weight": self.base.weight, "quant_state": self.base.quant_state})
 
     def _float_dtype(self) -> torch.dtype:
         return self.state.dtype
@@ -237,7 +243,7 @@ class Bnb8bit(QuantizedLinear):
         return bnb_functional.int8_vectorwise_dequant(self.base.weight.data[start:stop], scales[start:stop])
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.base, {"weight": self.base.weight, "state": copy.copy(self.base.state)})
+        return Snapshot.of(self.base, {"weight": self.base.weight, "state": copy.copy(self.base.state)})
 
 
 class Torchao(QuantizedLinear):

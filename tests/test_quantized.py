@@ -235,6 +235,8 @@ def test_merge_requantizes_with_a_warning_and_unmerge_restores_the_storage_bit_f
     peft_model.unmerge_adapter()
     assert_same_storage(before, storage_of(peft_model))
     assert torch.equal(logits(peft_model, tokens), adapted)
+    peft_model.add_adapter("after", NeuroAdaConfig(k=1))  # the weights put back read as quantized, as before
+    assert torch.equal(logits(peft_model, tokens), adapted)
 
     with pytest.warns(UserWarning, match="rounding errors"):
         unloaded = peft_model.merge_and_unload()

@@ -8,7 +8,8 @@ import threading
 import weakref
 
 import torch
-from torch import nn
+
+from ..tuner.layer import NeuroAdaLayer
 
 
 class WeightLock:
@@ -34,11 +35,15 @@ class WeightLock:
 
     def __enter__(self) -> WeightLock:
         self._lock.acquire()
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            stream, last = torch.cuda.current_stream(self.device), self._stream
-            if last is not None and last != stream:
-                stream.wait_stream(last)
-            self._stream = stream
+        try:
+            if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                stream, last = torch.cuda.current_stream(self.device), self._stream
+                if last is not None and last != stream:
+                    stream.wait_stream(last)
+                self._stream = stream
+        except BaseException:
+            self._lock.release()
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -56,8 +61,12 @@ class LayerRuntime:
         return (LayerRuntime, ())
 
 
-def weight_lock(layer: nn.Module) -> WeightLock:
-    """The layer's lock, made on its first visit (`dict.setdefault` is atomic: two threads get the same one)."""
+def weight_lock(layer: NeuroAdaLayer) -> WeightLock:
+    """The layer's lock (`dict.setdefault` is atomic: two threads get the same one). Wrappers of one module's several
+    parameters (nested `ParamWrapper`s) share the innermost one's: a visit of the outer one runs the inner one's, and
+    one reentrant lock cannot be taken in two orders."""
+    while isinstance(layer.base_layer, NeuroAdaLayer):
+        layer = layer.base_layer
     runtime = vars(layer).get("_runtime")
     if runtime is None:
         runtime = vars(layer).setdefault("_runtime", LayerRuntime())
@@ -84,7 +93,7 @@ def _register_fork_handlers_once() -> None:
 def _hold_weights_for_fork() -> None:
     """Before `os.fork`: wait for the visits in flight and hold every weight lock (and the guard, so no lock is made
     meanwhile) through the fork, so the child, which has only the forking thread, starts with every weight restored
-    and every lock free. A visit makes its layer's lock before it takes any: none waits for the guard holding one."""
+    and every lock free. Layers make their locks when built, never in a visit: none waits for the guard holding one."""
     _LOCKS_GUARD.acquire()
     for lock in list(_LOCKS):
         lock._lock.acquire()

@@ -155,10 +155,12 @@ class QuantizedWeight:
         """What puts the quantized weight (and its quantization state) back as it is now."""
         layer, base, weight = self.layer, self.base, self.base.weight
         state = {name: copy.copy(vars(base)[name]) for name in ("state", "quant_state") if name in vars(base)}
+        weight_state = dict(vars(weight))  # peft's requantizing marks the replaced weight unquantized
 
         def restore() -> None:
             if layer.get_base_layer() is not base:  # the backend replaced the module (HQQ)
                 layer.base_layer = base
+            vars(weight).update(weight_state)
             base.weight = weight
             for name, value in state.items():
                 setattr(base, name, value)
@@ -249,7 +251,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                 f"NeuroAda k={config.k} exceeds the {k} inputs of a {kind} layer; using k={k} (every input) for it."
             )
             warnings.warn(message, stacklevel=2)
-        if reason := self.unreadable():
+        if reason := self.unreadable() or (self._quantized_originals and "adapters are merged into it"):
             raise ValueError(
                 f"NeuroAda cannot select inputs for layer '{self.layer_name}': {reason}. {LOAD_WEIGHTS_HINT}"
             )

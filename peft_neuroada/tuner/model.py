@@ -50,9 +50,8 @@ class NeuroAdaModel(BaseTuner):
 
     Example:
         ```py
-        >>> import peft_neuroada
-        >>> from peft import get_peft_model
-        >>> model = get_peft_model(base_model, peft_neuroada.NeuroAdaConfig(k=1))
+        >>> from peft import NeuroAdaConfig, get_peft_model
+        >>> model = get_peft_model(base_model, NeuroAdaConfig(k=1))
         >>> model.print_trainable_parameters()
         ```
     """
@@ -85,15 +84,22 @@ class NeuroAdaModel(BaseTuner):
                         f"{sorted(other.target_parameters)}. Give it the same target_parameters."
                     )
 
-    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+    model_tags: ClassVar[list[str]] = ["neuroada"]  # end up in the model card save_pretrained / push_to_hub write
+    select_by_gradient_name: ClassVar[str] = "select_by_gradient"
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """peft's, then which layers share their weight with other modules, after every adapter (the first one's
+        `_post_injection_hook` alone would miss layers `add_adapter` and `load_adapter` make)."""
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
         mark_shared_weights(model)
-        # Tags end up in the model card written by save_pretrained / push_to_hub.
+
+    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         if hasattr(model, "add_model_tags"):
-            model.add_model_tags(["neuroada", "peft-neuroada"])
+            model.add_model_tags(self.model_tags)
         if config.selection == "gradient" and not config.inference_mode:
             warnings.warn(
                 f"Adapter '{adapter_name}' uses selection='gradient': its inputs are chosen by magnitude until you "
-                "call peft_neuroada.select_by_gradient(model, calibration_batches) before training.",
+                f"call {self.select_by_gradient_name}(model, calibration_batches) before training.",
                 stacklevel=2,
             )
 
