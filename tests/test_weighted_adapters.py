@@ -11,7 +11,7 @@ from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.train.models import load_default_model
-from peft_neuroada.tuner.layer import NeuroAdaLayer
+from peft_neuroada.weighted_adapters import WeightedLayer
 from tests.conftest import logits, named_neuroada_layers, neuroada_layers, tiny_bert, tiny_llama
 
 
@@ -247,8 +247,8 @@ def test_a_failure_while_filling_the_new_adapter_removes_it_again(monkeypatch):
             raise RuntimeError("injected failure")
         original(layer, *args)
 
-    original = NeuroAdaLayer.set_weighted_sum
-    monkeypatch.setattr(NeuroAdaLayer, "set_weighted_sum", fail_on_third_layer)
+    original = WeightedLayer.set_weighted_sum
+    monkeypatch.setattr(WeightedLayer, "set_weighted_sum", fail_on_third_layer)
     with pytest.raises(RuntimeError, match="injected failure"):
         model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "mix")
     assert adapter_state(model) == before
