@@ -15,6 +15,7 @@ from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from .tuner.config import NeuroAdaConfig
+from .tuner.experts import ParamWrapper
 from .tuner.layer import NeuroAdaLayer
 from .tuner.model import targeted_modules
 
@@ -44,7 +45,8 @@ class WeightedAdapters(BaseTuner):
             if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
         ]
         active = copy.copy(self.active_adapter)
-        self.peft_config[adapter_name] = self._config_for_layers(configs, set(layers))
+        modules = {name for name, layer in layers.items() if not isinstance(layer, ParamWrapper)}
+        self.peft_config[adapter_name] = self._config_for_layers(configs, modules)
         try:
             self.inject_adapter(self.model, adapter_name)
             for layer in layers.values():
@@ -100,8 +102,9 @@ class WeightedAdapters(BaseTuner):
         return None
 
     def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
-        """The first source's config with every source's `modules_to_save`, targeting exactly `layer_names` (by its
-        own targets where they do, else by the layers' names)."""
+        """The first source's config with every source's `modules_to_save`, targeting exactly the modules
+        `layer_names` (by its own targets where they do, else by the layers' names) and the parameters the sources
+        target (peft refuses adapters whose `target_parameters` differ)."""
         config = copy.deepcopy(sources[0])
         saved = [module for source in sources for module in source.modules_to_save or ()]
         config.modules_to_save = list(dict.fromkeys(saved)) or None

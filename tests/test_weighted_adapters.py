@@ -11,8 +11,16 @@ from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.train.models import load_default_model
+from peft_neuroada.tuner.experts import ParamWrapper
 from peft_neuroada.weighted_adapters import WeightedLayer
-from tests.conftest import logits, named_neuroada_layers, neuroada_layers, tiny_bert, tiny_llama
+from tests.conftest import (
+    logits,
+    named_neuroada_layers,
+    neuroada_layers,
+    tiny_bert,
+    tiny_causal_lm,
+    tiny_llama,
+)
 
 
 def two_adapters(make_model=tiny_llama, second: dict | None = None, **first):
@@ -66,6 +74,18 @@ def test_weighted_adapter_shares_the_sources_indices_and_sums_their_deltas():
     model = two_adapters()
     model.add_weighted_adapter(["one", "two"], [0.5, -2.0], "mix")
     assert model.peft_config["mix"].target_modules == model.peft_config["one"].target_modules
+    for layer in neuroada_layers(model):
+        assert torch.equal(layer.placement("mix").cols, layer.placement("one").cols)
+        expected = 0.5 * layer.neuroada_delta["one"] - 2.0 * layer.neuroada_delta["two"]
+        torch.testing.assert_close(layer.neuroada_delta["mix"], expected)
+
+
+def test_expert_adapters_combine_in_every_layer_and_every_expert_weight():
+    model = two_adapters(lambda: tiny_causal_lm("mixtral"))
+    experts = [layer for layer in neuroada_layers(model) if isinstance(layer, ParamWrapper)]
+    assert experts
+    model.add_weighted_adapter(["one", "two"], [0.5, -2.0], "mix")
+    assert model.peft_config["mix"].target_parameters == model.peft_config["one"].target_parameters
     for layer in neuroada_layers(model):
         assert torch.equal(layer.placement("mix").cols, layer.placement("one").cols)
         expected = 0.5 * layer.neuroada_delta["one"] - 2.0 * layer.neuroada_delta["two"]
