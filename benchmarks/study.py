@@ -1,5 +1,6 @@
-"""Accuracy for trainable parameters: SmolLM2-135M fine-tuned by NeuroAda, LoRA, SHiRA, Super-Tuning and full
-fine-tuning, at several budgets and seeds (the paper's Figure 1 shape).
+"""Accuracy for trainable parameters: SmolLM2-135M fine-tuned by NeuroAda, LoRA, SHiRA, Super-Tuning, mask-based
+sparse tuning and full fine-tuning, each budget at its own swept learning rate, over three test seeds (the paper's
+Figure 1 shape).
 
     python benchmarks/study.py                 # the CPU study, resumable, into docs/study/results.json
     python benchmarks/study.py --device cuda   # the scale-up, into docs/study/results-cuda.json
@@ -11,9 +12,11 @@ of 16 examples. Untrained, SmolLM2 answers none of it in this format; NeuroAda k
 run, so budgets have room to differ. Training draws its examples per seed and never a dev or test question. The
 scale-up trains on commonsense_15k under the paper protocol and scores ARC-Easy and boolq (`STUDIES["cuda"]`).
 
-1. Sweep: per method family, at its middle budget and seed 0, each learning rate of its grid is scored on the dev
-   questions; the best becomes the family's learning rate at every budget.
-2. Test: every budget of every family, for each seed, at the family's rate, scored on the test questions.
+1. Sweep: for every budget of every method, each learning rate of the method's grid is trained with the sweep seed
+   and scored on the dev questions; while the best rate is the grid's smallest or largest, the next rate beyond it
+   (a half-decade step) is tried too. The best rate (the smaller one on a tie) is that budget's rate.
+2. Test: every budget of every method, at its own rate, trained with each test seed (never the sweep seed) and scored
+   on the test questions; each answer is recorded, so study_figures.py can pair methods question by question.
 
 Every finished run is a record in the results file; a run already recorded is skipped, so an interrupted study
 resumes. A file made with other settings is refused, not mixed.
@@ -64,13 +67,14 @@ class Settings:
     warmup: float
     dev_questions: int
     test_questions: int | None
-    seeds: tuple[int, ...]
+    sweep_seed: int
+    test_seeds: tuple[int, ...]
 
 
 STUDIES = {
-    "cpu": Settings("second_largest", "smollm2", "cpu", "float32", 60, 16, 0.1, 128, 256, (0, 1)),
+    "cpu": Settings("second_largest", "smollm2", "cpu", "float32", 60, 16, 0.1, 128, 256, 0, (1, 2, 3)),
     # The paper's protocol on commonsense_15k (one epoch less the dev examples), scored on all of ARC-Easy and boolq.
-    "cuda": Settings("commonsense", "smollm2", "cuda", "bfloat16", 900, 16, 0.1, 200, None, (0, 1)),
+    "cuda": Settings("commonsense", "smollm2", "cuda", "bfloat16", 900, 16, 0.1, 200, None, 0, (1, 2, 3)),
 }
 
 
@@ -85,7 +89,7 @@ def dry_run(settings: Settings) -> Settings:
         batch=4,
         dev_questions=4,
         test_questions=4,
-        seeds=(0,),
+        test_seeds=(1,),
     )
 
 
@@ -135,9 +139,10 @@ class GeneratedTask:
         return self.collate(rows)
 
     @torch.no_grad()
-    def score(self, model: torch.nn.Module, split: str) -> tuple[float, int]:
-        """Accuracy of greedy decoding (the first line of the generation, stripped, equals the answer), questions."""
-        tokenizer, asked, correct = self.tokenizer, self.asked[split], 0
+    def score(self, model: torch.nn.Module, split: str) -> tuple[float, list[bool]]:
+        """The accuracy of greedy decoding and, per question, whether it answers (the first line of the generation,
+        stripped, equals the answer)."""
+        tokenizer, asked, correct = self.tokenizer, self.asked[split], []
         for start in range(0, len(asked), 64):
             chunk = asked[start : start + 64]
             prompts = [prompt for prompt, _ in chunk]
@@ -148,8 +153,8 @@ class GeneratedTask:
             output = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
             answers = [text.strip().split("\n")[0].strip() for text in texts]
-            correct += sum(given == expected for given, (_, expected) in zip(answers, chunk, strict=True))
-        return correct / len(asked), len(asked)
+            correct += [given == expected for given, (_, expected) in zip(answers, chunk, strict=True)]
+        return sum(correct) / len(correct), correct
 
 
 class CommonsenseTask:
@@ -169,13 +174,14 @@ class CommonsenseTask:
             for indices in torch.randperm(len(self.train), generator=generator).split(self.settings.batch):
                 yield collate([self.train[i] for i in indices.tolist()])
 
-    def score(self, model: torch.nn.Module, split: str) -> tuple[float, int]:
+    def score(self, model: torch.nn.Module, split: str) -> tuple[float, list[bool]]:
+        """The mean of the test sets' accuracies (the paper's average) and, per question, whether it is answered."""
         if split == "dev":
             results = [evaluate_task(model, self.tokenizer, "commonsense_15k", self.dev, 64, 32, "paper")]
         else:
             spec = EvaluationSpec(tasks=["ARC-Easy", "boolq"], size=self.settings.test_questions, batch_size=64)
             results = evaluate_tasks(model, self.tokenizer, DATASETS, spec, "paper")
-        return average_accuracy(results), sum(result.total for result in results)
+        return average_accuracy(results), [p.correct for result in results for p in result.predictions]
 
 
 TASKS = {"second_largest": GeneratedTask, "commonsense": CommonsenseTask}
@@ -184,26 +190,42 @@ TASKS = {"second_largest": GeneratedTask, "commonsense": CommonsenseTask}
 # -------------------------------------------------------------------------------------------------------- methods
 
 
+# The learning rates a sweep may try, in half-decade steps; each family starts from four of them.
+LADDER = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+
+
+def dense_count(parameters: list[torch.nn.Parameter], size: int) -> int:
+    return sum(parameter.numel() for parameter in parameters)
+
+
 @dataclass(frozen=True)
 class Family:
-    """A method at its budgets: `sizes` are k for NeuroAda and Super-Tuning (at NeuroAda's density for that k), the
-    rank for LoRA and SHiRA. SHiRA's ranks 1, 3 and 10 are the closest to NeuroAda's k = 1 and 2, 5 and 20 on
-    SmolLM2 (budget.lora_rank_for_k)."""
+    """A method at its budgets: `sizes` are k for NeuroAda, Super-Tuning (at NeuroAda's density for that k) and the
+    mask-based arm, the rank for LoRA and SHiRA. The ranks 1, 3 and 10 are the closest to NeuroAda's k = 2, 5 and 20
+    on SmolLM2 (budget.lora_rank_for_k); k=1 has no rank that close. `tuned` counts the entries training changes."""
 
     build: Callable[[PreTrainedModel, int, int], variants.Setup]
     sizes: tuple[int, ...]
-    sweep_size: int
     learning_rates: tuple[float, ...]
+    tuned: Callable[[list[torch.nn.Parameter], int], int] = dense_count
 
 
 FAMILIES = {  # benchmarks/cost/variants.py's set-ups, as train_cost.py measures them
-    "neuroada": Family(lambda model, k, seed: variants.neuroada(k)(model), (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)),
-    "lora": Family(lambda model, r, seed: variants.lora(r)(model), (1, 2, 4, 8, 16), 4, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "shira": Family(lambda model, r, seed: variants.shira(r, seed)(model), (1, 3, 10), 3, (3e-3, 1e-2, 3e-2, 1e-1)),
+    "neuroada": Family(lambda model, k, seed: variants.neuroada(k)(model), (1, 2, 5, 20), (3e-3, 1e-2, 3e-2, 1e-1)),
+    "lora": Family(lambda model, r, seed: variants.lora(r)(model), (1, 3, 10), (1e-3, 3e-3, 1e-2, 3e-2)),
+    "shira": Family(lambda model, r, seed: variants.shira(r, seed)(model), (1, 3, 10), (3e-3, 1e-2, 3e-2, 1e-1)),
     "supertuning": Family(
-        lambda model, k, seed: variants.supertuning(k)(model), (1, 2, 5, 20), 5, (3e-3, 1e-2, 3e-2, 1e-1)
+        lambda model, k, seed: variants.supertuning(k)(model), (1, 2, 5, 20), (3e-3, 1e-2, 3e-2, 1e-1)
     ),
-    "full": Family(lambda model, size, seed: variants.full_finetune(model), (0,), 0, (1e-5, 3e-5, 1e-4, 3e-4)),
+    # The paper's Question 1: the same top-k entries as NeuroAda, trained as dense weights with masked gradients
+    # (AdamW without weight decay leaves the masked-out entries exactly as they were).
+    "mask": Family(
+        lambda model, k, seed: variants.mask_based(model, k),
+        (20,),
+        (3e-3, 1e-2, 3e-2, 1e-1),
+        lambda parameters, k: k * sum(parameter.shape[0] for parameter in parameters),
+    ),
+    "full": Family(lambda model, size, seed: variants.full_finetune(model), (0,), (1e-5, 3e-5, 1e-4, 3e-4)),
 }
 
 
@@ -278,6 +300,7 @@ class Study:
         settings = self.settings
         set_seed(seed)
         model, trainable, _ = FAMILIES[family].build(load_model(settings, self.tokenizer), size, seed)
+        tuned = FAMILIES[family].tuned(trainable, size)
         optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
         warmup = max(1, round(settings.warmup * settings.steps))
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -294,26 +317,38 @@ class Study:
             optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
         model.eval()
-        accuracy, asked = self.task.score(model, split)
+        accuracy, correct = self.task.score(model, split)
         return {
-            "trainable": sum(p.numel() for p in trainable),
+            "trainable": tuned,
             "accuracy": accuracy,
-            "questions": asked,
+            "questions": len(correct),
+            "answered": "".join("1" if answered else "0" for answered in correct),
             "final_loss": loss.item(),
             "train_seconds": round(seconds, 1),
         }
 
-    def learning_rate(self, family: str) -> float:
-        """The family's sweep: the rate that scores best on the dev questions (the smaller one on a tie)."""
-        spec = FAMILIES[family]
-        scores = {lr: self.run("sweep", family, spec.sweep_size, lr, 0)["accuracy"] for lr in spec.learning_rates}
-        return max(sorted(scores), key=lambda lr: scores[lr])
+    def learning_rate(self, family: str, size: int) -> float:
+        """This budget's sweep: the rate that scores best on the dev questions (the smaller one on a tie), the grid
+        extended by a half-decade step while the best rate sits on its edge."""
+        rates, scores = list(FAMILIES[family].learning_rates), {}
+        while True:
+            for rate in rates:
+                if rate not in scores:
+                    scores[rate] = self.run("sweep", family, size, rate, self.settings.sweep_seed)["accuracy"]
+            best = max(sorted(scores), key=lambda rate: scores[rate])
+            step = -1 if best == min(scores) else 1 if best == max(scores) else 0
+            beyond = LADDER.index(best) + step
+            alone = list(scores.values()).count(scores[best]) == 1  # a tie is no direction to go in
+            if step == 0 or not alone or not 0 <= beyond < len(LADDER):
+                return best
+            rates.append(LADDER[beyond])
 
-    def run_all(self, families: list[str], sizes_per_family: int | None = None) -> None:
+    def run_all(self, families: list[str], smallest_and_largest: bool = False) -> None:
         for family in families:
-            learning_rate = self.learning_rate(family)
-            for size in FAMILIES[family].sizes[:sizes_per_family]:
-                for seed in self.settings.seeds:
+            sizes = FAMILIES[family].sizes
+            for size in sorted({sizes[0], sizes[-1]}) if smallest_and_largest else sizes:
+                learning_rate = self.learning_rate(family, size)
+                for seed in self.settings.test_seeds:
                     self.run("test", family, size, learning_rate, seed)
 
 
@@ -323,13 +358,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, help="The JSON file runs are recorded in (docs/study/ by default).")
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads.")
-    parser.add_argument("--dry-run", action="store_true", help="A tiny random model on the CPU, 2 budgets a family.")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="A tiny random model on the CPU, each family's smallest and largest budget.",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     settings = dry_run(STUDIES[args.device]) if args.dry_run else STUDIES[args.device]
     results = args.results or RESULTS[args.device]
-    Study(results, settings).run_all(args.families, 2 if args.dry_run else None)
+    Study(results, settings).run_all(args.families, smallest_and_largest=args.dry_run)
     print(f"study done in {math.ceil((time.perf_counter() - started) / 60)} min; results in {results}")
 
 

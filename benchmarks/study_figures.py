@@ -1,7 +1,8 @@
-"""The study's figures and table, from committed data: accuracy against trainable parameters (benchmarks/study.py's
-results) and the cost of a training step at equal budget (benchmarks/train_cost.py's JSON).
+"""The study's figures and tables, from committed data: accuracy against trainable parameters, NeuroAda's paired
+difference against each peer at a matched budget with its 95% interval (benchmarks/study.py's results), and the cost
+of a training step at equal budget (benchmarks/train_cost.py's JSON).
 
-    python benchmarks/study_figures.py            # docs/study/*.json -> docs/study/accuracy.png, cost.png + a table
+    python benchmarks/study_figures.py            # docs/study/*.json -> docs/study/accuracy.png, cost.png + tables
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import common
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
@@ -20,56 +23,146 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only bac
 STUDY = common.REPO_ROOT / "docs" / "study"
 LABELS = {
     "neuroada": "NeuroAda (k = 1, 2, 5, 20)",
-    "lora": "LoRA (r = 1, 2, 4, 8, 16)",
-    "shira": "SHiRA (r = 1, 3, 10: nearest NeuroAda's budgets)",
+    "lora": "LoRA (r = 1, 3, 10: nearest NeuroAda's k = 2, 5, 20)",
+    "shira": "SHiRA (r = 1, 3, 10)",
     "supertuning": "Super-Tuning (NeuroAda's k = 1, 2, 5, 20 budgets)",
+    "mask": "mask-based (NeuroAda's k = 20 entries, dense gradients)",
     "full": "full fine-tuning",
 }
-
 TASKS = {"second_largest": "second largest of four numbers", "commonsense": "commonsense_15k (ARC-Easy, boolq)"}
+# A peer's budget is matched to NeuroAda's when their trainable counts differ by at most this factor (LoRA r=3 has
+# 1.18x NeuroAda k=5's count; no rank comes within it of k=1).
+MATCHED = 1.25
+RESAMPLES = 10_000
 
 
-def chosen_rate(runs: list[dict], family: str) -> float:
-    """The family's learning rate, as study.py chose it: the best on the dev questions, the smaller one on a tie."""
-    swept = {
-        run["learning_rate"]: run["accuracy"] for run in runs if run["phase"] == "sweep" and run["family"] == family
-    }
-    return max(sorted(swept), key=lambda rate: swept[rate])
+def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
+    """Per (family, budget), the learning rate study.py chose: the best on the dev questions, the smaller on a tie."""
+    swept: dict[tuple[str, int], dict[float, float]] = {}
+    for run in runs:
+        if run["phase"] == "sweep":
+            swept.setdefault((run["family"], run["size"]), {})[run["learning_rate"]] = run["accuracy"]
+    return {budget: max(sorted(scores), key=lambda rate: scores[rate]) for budget, scores in swept.items()}
 
 
-def summary(runs: list[dict]) -> dict[str, list[tuple[int, int, float, float, int]]]:
-    """Per family, per budget: (size, trainable parameters, mean and standard deviation of the test accuracy in
-    percent, seeds) at the family's chosen learning rate, in the order of the budgets."""
-    table: dict[str, list[tuple[int, int, float, float, int]]] = {}
-    for family in LABELS:
-        if not any(run["phase"] == "sweep" and run["family"] == family for run in runs):
-            continue
-        rate = chosen_rate(runs, family)
-        tested = [run for run in runs if (run["phase"], run["family"], run["learning_rate"]) == ("test", family, rate)]
-        for size in sorted({run["size"] for run in tested}):
-            scores = [100 * run["accuracy"] for run in tested if run["size"] == size]
-            trainable = next(run["trainable"] for run in tested if run["size"] == size)
-            spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
-            table.setdefault(family, []).append((size, trainable, statistics.mean(scores), spread, len(scores)))
+@dataclass(frozen=True)
+class Point:
+    """One budget of one method at its chosen rate: its test runs (one per seed) and what they add up to."""
+
+    family: str
+    size: int
+    learning_rate: float
+    runs: tuple[dict, ...]
+
+    @property
+    def trainable(self) -> int:
+        return self.runs[0]["trainable"]
+
+    @property
+    def scores(self) -> list[float]:
+        return [100 * run["accuracy"] for run in self.runs]
+
+    @property
+    def spread(self) -> float:
+        return statistics.stdev(self.scores) if len(self.scores) > 1 else 0.0
+
+
+def points(runs: list[dict]) -> dict[str, list[Point]]:
+    """Per family, in the order of the budgets: each budget that has test runs at its chosen rate."""
+    table: dict[str, list[Point]] = {}
+    for (family, size), rate in sorted(
+        chosen_rates(runs).items(), key=lambda item: (list(LABELS).index(item[0][0]), item[0][1])
+    ):
+        tested = [
+            run
+            for run in runs
+            if (run["phase"], run["family"], run["size"], run["learning_rate"]) == ("test", family, size, rate)
+        ]
+        if tested:
+            table.setdefault(family, []).append(Point(family, size, rate, tuple(sorted(tested, key=seed_of))))
     return table
 
 
-def accuracy_figure(table: dict, settings: dict, path: Path) -> None:
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for family, rows in table.items():
-        x, mean, spread = ([row[i] for row in rows] for i in (1, 2, 3))
-        style = {"marker": "*", "markersize": 12, "linestyle": "none"} if family == "full" else {"marker": "o"}
-        axes.errorbar(x, mean, yerr=spread, capsize=3, label=LABELS[family], **style)
-    axes.set_xscale("log")
-    axes.set_xlabel("trainable parameters (log scale)")
-    axes.set_ylabel("test accuracy (%)")
-    axes.set_title(
+def seed_of(run: dict) -> int:
+    return run["seed"]
+
+
+def paired_difference(ours: Point, theirs: Point, resamples: int = RESAMPLES) -> tuple[float, float, float]:
+    """NeuroAda's accuracy minus the peer's in points, and its 95% percentile interval from a bootstrap that draws
+    seeds and questions with replacement: both methods answered the same questions after training on the same
+    examples per seed, so each draw keeps the pairs together."""
+    seeds = sorted({seed_of(run) for run in ours.runs} & {seed_of(run) for run in theirs.runs})
+    answered = [
+        [np.array([int(c) for c in run["answered"]]) for run in point.runs if seed_of(run) in seeds]
+        for point in (ours, theirs)
+    ]
+    differences = 100.0 * (np.stack(answered[0]) - np.stack(answered[1]))  # seeds x questions
+    rng = np.random.default_rng(0)
+    drawn_seeds = rng.integers(0, differences.shape[0], (resamples, differences.shape[0]))
+    drawn_questions = rng.integers(0, differences.shape[1], (resamples, differences.shape[1]))
+    means = differences[drawn_seeds[:, :, None], drawn_questions[:, None, :]].mean(axis=(1, 2))
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(differences.mean()), float(low), float(high)
+
+
+def matched_pairs(table: dict[str, list[Point]]) -> list[tuple[Point, Point]]:
+    """(NeuroAda, peer) at every peer budget within MATCHED of one of NeuroAda's, the nearest one."""
+    pairs = []
+    for family, peers in table.items():
+        if family in ("neuroada", "full"):
+            continue
+        for peer in peers:
+            nearest = min(
+                table.get("neuroada", []), key=lambda ours: abs(np.log(ours.trainable / peer.trainable)), default=None
+            )
+            if nearest is not None and max(nearest.trainable, peer.trainable) <= MATCHED * min(
+                nearest.trainable, peer.trainable
+            ):
+                pairs.append((nearest, peer))
+    return sorted(pairs, key=lambda pair: (pair[0].size, list(LABELS).index(pair[1].family)))
+
+
+def verdict(low: float, high: float) -> str:
+    return "NeuroAda ahead" if low > 0 else "peer ahead" if high < 0 else "not told apart"
+
+
+def accuracy_figure(table: dict[str, list[Point]], settings: dict, path: Path) -> None:
+    """Left: test accuracy against trainable parameters (mean ± sd over the test seeds). Right: NeuroAda minus each
+    peer at a matched budget, with the bootstrap's 95% interval."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
+    for family, entries in table.items():
+        style = {"marker": "*", "markersize": 12, "linestyle": "none"} if len(entries) == 1 else {"marker": "o"}
+        left.errorbar(
+            [p.trainable for p in entries],
+            [statistics.mean(p.scores) for p in entries],
+            yerr=[p.spread for p in entries],
+            capsize=3,
+            label=LABELS[family],
+            **style,
+        )
+    left.set_xscale("log")
+    left.set_xlabel("trainable parameters (log scale)")
+    left.set_ylabel("test accuracy (%)")
+    left.set_title(
         f"SmolLM2-135M, {TASKS[settings['task']]}, {settings['steps']} steps of {settings['batch']}: "
-        f"mean ± sd over {len(settings['seeds'])} seeds",
+        f"mean ± sd over {len(settings['test_seeds'])} test seeds",
         fontsize=9,
     )
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=7)
+    pairs = matched_pairs(table)
+    for row, (ours, peer) in enumerate(pairs):
+        mean, low, high = paired_difference(ours, peer)
+        colour = "tab:green" if low > 0 else "tab:red" if high < 0 else "tab:gray"
+        right.errorbar([mean], [row], xerr=[[mean - low], [high - mean]], fmt="o", color=colour, capsize=3)
+    right.axvline(0.0, color="black", linewidth=0.8)
+    right.set_yticks(
+        range(len(pairs)), [f"k={ours.size} vs {peer.family} {peer.size}" for ours, peer in pairs], fontsize=8
+    )
+    right.invert_yaxis()
+    right.set_xlabel("NeuroAda minus peer, test accuracy points (95% interval)")
+    right.set_title("matched budgets: green NeuroAda ahead, red the peer, grey not told apart", fontsize=9)
+    right.grid(True, axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -96,24 +189,43 @@ def cost_figure(cost: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def markdown(runs: list[dict], table: dict) -> str:
-    """The sweep (dev accuracy per learning rate, the chosen one in bold) and the test table, for docs/results.md."""
-    rows = ["| method | sweep budget | dev accuracy per learning rate |", "|---|---:|---|"]
-    for family in table:
+def markdown(runs: list[dict], table: dict[str, list[Point]]) -> str:
+    """The sweeps (dev accuracy per learning rate, the chosen one in bold), the test table and the paired
+    differences, for docs/results.md."""
+    rates = chosen_rates(runs)
+    rows = ["| method | budget | dev accuracy per learning rate |", "|---|---:|---|"]
+    for (family, size), rate in sorted(rates.items(), key=lambda item: (list(LABELS).index(item[0][0]), item[0][1])):
         swept = sorted(
-            (run for run in runs if run["phase"] == "sweep" and run["family"] == family),
+            (run for run in runs if run["phase"] == "sweep" and (run["family"], run["size"]) == (family, size)),
             key=lambda run: run["learning_rate"],
         )
-        rate = chosen_rate(runs, family)
         cells = [f"{run['learning_rate']:.0e}: {100 * run['accuracy']:.1f}" for run in swept]
         cells = [
             f"**{cell}**" if run["learning_rate"] == rate else cell for cell, run in zip(cells, swept, strict=True)
         ]
-        rows.append(f"| {family} | {swept[0]['size']} | {', '.join(cells)} |")
-    rows += ["", "| method | size | trainable | test accuracy, mean ± sd (%) | seeds |", "|---|---:|---:|---:|---:|"]
+        rows.append(f"| {family} | {size} | {', '.join(cells)} |")
+    rows += [
+        "",
+        "| method | budget | trainable | learning rate | test accuracy, mean ± sd (%) | seeds |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for family, entries in table.items():
-        for size, trainable, mean, spread, seeds in entries:
-            rows.append(f"| {family} | {size} | {trainable:,} | {mean:.1f} ± {spread:.1f} | {seeds} |")
+        for p in entries:
+            rows.append(
+                f"| {family} | {p.size} | {p.trainable:,} | {p.learning_rate:.0e} | "
+                f"{statistics.mean(p.scores):.1f} ± {p.spread:.1f} | {len(p.runs)} |"
+            )
+    rows += [
+        "",
+        "| NeuroAda | peer | trainable (NeuroAda / peer) | NeuroAda minus peer (points) | 95% interval | reading |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for ours, peer in matched_pairs(table):
+        mean, low, high = paired_difference(ours, peer)
+        rows.append(
+            f"| k={ours.size} | {peer.family} {peer.size} | {ours.trainable:,} / {peer.trainable:,} | "
+            f"{mean:+.1f} | [{low:+.1f}, {high:+.1f}] | {verdict(low, high)} |"
+        )
     return "\n".join(rows)
 
 
@@ -124,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=STUDY, help="The folder the PNG files are written to.")
     args = parser.parse_args(argv)
     study = json.loads(args.results.read_text())
-    table = summary(study["runs"])
+    table = points(study["runs"])
     args.out.mkdir(parents=True, exist_ok=True)
     accuracy_figure(table, study["settings"], args.out / "accuracy.png")
     if args.cost.exists():
