@@ -1,5 +1,6 @@
-"""The `neuroada` console command: `train`, `eval`, `compare` recipes from configs/, the `demo` main job, and
-`prompts` / `score` to inspect a protocol's prompts and re-score saved predictions."""
+"""The `neuroada` console command: `train`, `eval`, `compare` recipes from configs/, the `demo` main job,
+`prompts` / `score` to inspect a protocol's prompts and re-score saved predictions, and `estimate` to plan a run's
+memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 PROTOCOL_NAMES = ("lenient", "paper")
+METHODS = ("neuroada", "lora", "mask", "full", "frozen")
+"""estimate.METHODS, spelled out for the same reason."""
 """protocols.PROTOCOLS' names, spelled out so that `neuroada --help` needs none of the training extra."""
 TRAINING_EXTRA = ("datasets", "yaml", "gguf", "tqdm")
 """What `pip install -e ".[train]"` adds to the core plugin (gguf only for the embedded default model)."""
@@ -65,6 +68,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate")
     demo.add_argument("--train-size", type=int, default=300, help="generated training examples per task")
     demo.add_argument("--test-size", type=int, default=40, help="generated test examples per task")
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="the memory a training run takes per method, from the model's config alone (nothing else is loaded)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    estimate.add_argument("model", help="a config.json, a model folder, or a hub id (only its config.json is fetched)")
+    estimate.add_argument("--k", type=int, nargs="+", default=[1, 20], help="NeuroAda's k (LoRA at each k's budget)")
+    estimate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    estimate.add_argument("--batch", type=int, default=1, help="sequences per step")
+    estimate.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    estimate.add_argument("--quantize", choices=("nf4",), help="the base loaded in 4 bits (QLoRA's)")
+    estimate.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=["neuroada", "lora", "mask", "full"], help="what to estimate"
+    )
     return parser
 
 
@@ -80,6 +98,8 @@ def require_training_extra() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "estimate":  # transformers and peft are all it needs
+        return _estimate(args)
     require_training_extra()
     # Imported late so `neuroada --help` works without the training extra (it still waits for peft to import).
     from .recipes import RecipeError
@@ -114,4 +134,18 @@ def _run(args: argparse.Namespace) -> int:
         report = run_demo(args.output, args.steps, args.train_size, args.test_size, args.k, args.learning_rate)
         print_report(report)
         return 0 if report.merged_matches else 1
+    return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .estimate import UNKNOWN, estimate, format_table
+
+    try:
+        rows = estimate(args.model, args.k, args.methods, args.dtype, args.batch, args.seq, args.quantize)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"neuroada estimate: error: {error}") from None
+    quantized = f", {args.quantize} base" if args.quantize else ""
+    print(f"{args.model}: {args.dtype}{quantized}, batch {args.batch} x {args.seq} tokens, AdamW\n")
+    print(format_table(rows))
+    print(f"\n{UNKNOWN}")
     return 0
