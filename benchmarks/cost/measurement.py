@@ -22,6 +22,7 @@ from peft_neuroada.tuner.config import DTYPES
 from .meters import (
     MIB,
     SavedTensorMeter,
+    fault_in,
     keep_freed_memory,
     peak_rss_bytes,
     reset_peak_rss,
@@ -182,6 +183,7 @@ class Session:
         generator = torch.Generator().manual_seed(spec.seed)
         ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq_len), generator=generator)
         self.input_ids = ids.to(self.device)
+        fault_in(model)
         gc.collect()
         self.baseline = torch.cuda.memory_allocated() if self.on_cuda else rss_bytes()
         self.model, self.params, label = VARIANTS[spec.variant](model)

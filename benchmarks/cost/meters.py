@@ -33,6 +33,16 @@ def reset_peak_rss() -> None:
         clear_refs.write("5")
 
 
+def fault_in(model: nn.Module) -> None:
+    """Read every weight once, so that weights mapped from their file (safetensors loads through mmap: SmolLM2 in
+    float32) are in RSS before the baseline is taken; otherwise the first step faults them in and every variant's
+    growth counts the weights too (500 MiB of SmolLM2's)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type == "cpu" and tensor.numel():
+                tensor.sum()
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
