@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import random
 import sys
 import time
@@ -65,3 +66,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def machine(gpu: str | None = None) -> dict:
+    """The machine a benchmark ran on, recorded with its figures: the CPU's model name, its count, and a GPU's name."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    described = {"cpu": names[0] if names else platform.machine(), "cpus": os.cpu_count()}
+    return described | ({"gpu": gpu} if gpu else {})

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-import common  # noqa: F401  (this checkout's peft_neuroada first)
+import common  # this checkout's peft_neuroada first
 import torch
 from cost import variants
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
@@ -247,12 +245,6 @@ def load_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTra
     return model.to(settings.device)
 
 
-def cpu_name() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.machine()
-
-
 class Study:
     """One results file: the settings its runs share and one record per finished run, rewritten after each run.
     A run already recorded is not run again; a file made with other settings is refused."""
@@ -283,9 +275,8 @@ class Study:
             return done
         run = key | self._train_and_score(family, size, learning_rate, seed, "dev" if phase == "sweep" else "test")
         self.runs.append(run)
-        machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__}
-        if self.settings.device == "cuda":
-            machine["gpu"] = torch.cuda.get_device_name()
+        gpu = torch.cuda.get_device_name() if self.settings.device == "cuda" else None
+        machine = common.machine(gpu) | {"torch": torch.__version__}
         text = json.dumps({"settings": asdict(self.settings), "machine": machine, "runs": self.runs}, indent=1)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, lambda temporary: Path(temporary).write_text(text + "\n"))
@@ -343,10 +334,11 @@ class Study:
                 return best
             rates.append(LADDER[beyond])
 
-    def run_all(self, families: list[str], smallest_and_largest: bool = False) -> None:
+    def run_all(self, families: list[str], smallest_and_largest: bool = False, only: set[int] | None = None) -> None:
         for family in families:
             sizes = FAMILIES[family].sizes
-            for size in sorted({sizes[0], sizes[-1]}) if smallest_and_largest else sizes:
+            sizes = sorted({sizes[0], sizes[-1]}) if smallest_and_largest else sizes
+            for size in [size for size in sizes if only is None or size in only]:
                 learning_rate = self.learning_rate(family, size)
                 for seed in self.settings.test_seeds:
                     self.run("test", family, size, learning_rate, seed)
@@ -357,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=list(STUDIES), default="cpu", help="cuda: the scale-up.")
     parser.add_argument("--results", type=Path, help="The JSON file runs are recorded in (docs/study/ by default).")
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--sizes", type=int, nargs="+", help="Only these budgets (k, or a rank) of each family.")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads.")
     parser.add_argument(
         "--dry-run",
@@ -368,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     settings = dry_run(STUDIES[args.device]) if args.dry_run else STUDIES[args.device]
     results = args.results or RESULTS[args.device]
-    Study(results, settings).run_all(args.families, smallest_and_largest=args.dry_run)
+    Study(results, settings).run_all(
+        args.families, smallest_and_largest=args.dry_run, only=set(args.sizes) if args.sizes else None
+    )
     print(f"study done in {math.ceil((time.perf_counter() - started) / 60)} min; results in {results}")
 
 

@@ -32,7 +32,7 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
-import common  # noqa: F401  (this checkout's peft_neuroada first)
+import common  # this checkout's peft_neuroada first
 import torch
 from cost.measurement import MODEL_DEFAULTS, OPTIMIZERS, Result, RunSpec, run_all
 from cost.report import check_targets, format_checks, format_table
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         payload = {
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "torch": torch.__version__,
+            "machine": common.machine(torch.cuda.get_device_name() if args.clock == "wall" else None),
             "results": [asdict(r) | {"accounted_bytes": r.accounted_bytes} for r in results],
             "targets": checks,
         }

@@ -213,11 +213,13 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
     assert "torch" in (tmp_path / "gpu.txt").read_text()
     results = json.loads((tmp_path / "train_cost-tiny.json").read_text())["results"]
-    variants = ["floor", "neuroada-k1", "neuroada-k20", "lora-budget", "shira-budget", "supertuning-budget", "full"]
+    variants = ["floor", "neuroada-k1", "neuroada-k20", "paper-scatter-k20", "mask-k20", "lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
     study = json.loads((tmp_path / "study-cuda.json").read_text())
     assert study["settings"]["task"] == "commonsense" and {run["phase"] for run in study["runs"]} == {"sweep", "test"}
+    budgets = {(run["family"], run["size"]) for run in study["runs"]}
+    assert budgets == {("neuroada", 1), ("neuroada", 20), ("lora", 1), ("lora", 10)}, "k=1, k=20, LoRA r=1 and r=10"
 
 
 def test_the_benchmark_runs_neuroada_and_qlora_on_the_same_nf4_base(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch", type=int, default=1, help="sequences per step")
     estimate.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     estimate.add_argument("--quantize", choices=("nf4",), help="the base loaded in 4 bits (QLoRA's)")
+    estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where AdamW steps")
     estimate.add_argument(
         "--methods", nargs="+", choices=METHODS, default=["neuroada", "lora", "mask", "full"], help="what to estimate"
     )
@@ -141,11 +142,11 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import UNKNOWN, estimate, format_table
 
     try:
-        rows = estimate(args.model, args.k, args.methods, args.dtype, args.batch, args.seq, args.quantize)
+        rows = estimate(args.model, args.k, args.methods, args.dtype, args.batch, args.seq, args.quantize, args.device)
     except (OSError, ValueError) as error:
         raise SystemExit(f"neuroada estimate: error: {error}") from None
     quantized = f", {args.quantize} base" if args.quantize else ""
-    print(f"{args.model}: {args.dtype}{quantized}, batch {args.batch} x {args.seq} tokens, AdamW\n")
+    print(f"{args.model}: {args.dtype}{quantized}, batch {args.batch} x {args.seq} tokens, AdamW on {args.device}\n")
     print(format_table(rows))
     print(f"\n{UNKNOWN}")
     return 0

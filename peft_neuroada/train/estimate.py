@@ -30,6 +30,7 @@ from ..tuner.index_storage import PACKED_DTYPE
 from ..tuner.model import targeted_modules
 
 METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.METHODS spells them out too
+DEVICES = ("cuda", "cpu")  # where AdamW steps: its temporaries differ (Estimator._estimate)
 ADAPTER_DTYPE = torch.float32  # peft keeps an adapter of a 16-bit model in float32 (`autocast_adapter_dtype`)
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size and dtype of its parameter
 # bitsandbytes' NF4 with double quantization: 4 bits a weight, an 8-bit absmax per block of 64 and a float32 absmax
@@ -38,8 +39,8 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
 UNKNOWN = (
     "Not counted: the allocator's caching and fragmentation (CUDA's caching allocator rounds and keeps blocks; "
     "PyTorch's reserved memory can exceed this by 10-30%), the CUDA context and library workspaces (cuBLAS, oneDNN: "
-    "several hundred MiB), and temporaries inside one op. Activations are traced with the memory-efficient attention "
-    "kernels and without gradient checkpointing."
+    "several hundred MiB), and temporaries inside one op (the optimizer step's are counted for torch's AdamW). "
+    "Activations are traced with the memory-efficient attention kernels and without gradient checkpointing."
 )
 
 
@@ -54,13 +55,15 @@ class Estimate:
     optimizer: int
     activations: int  # what backward keeps
     loss_gradient: int  # the largest temporary: the loss's float32 gradient over the vocabulary, at backward's start
+    step_temporaries: int  # AdamW's own temporaries during its step
 
     @property
     def total(self) -> int:
         """The peak: over the weights and optimizer state, either the start of backward (what it keeps and the loss's
-        gradient) or its end (every gradient), whichever is larger; in between, activations are freed as gradients
-        come."""
-        return self.weights + self.optimizer + max(self.activations + self.loss_gradient, self.gradients)
+        gradient) or the optimizer step (every gradient and the step's temporaries), whichever is larger; in between,
+        activations are freed as gradients come."""
+        at_step = self.gradients + self.step_temporaries
+        return self.weights + self.optimizer + max(self.activations + self.loss_gradient, at_step)
 
 
 def load_config(model: str) -> PretrainedConfig:
@@ -165,14 +168,19 @@ def index_bytes(shapes: list[tuple[int, int]], k: int) -> int:
 class Estimator:
     """Every method's estimate on one meta model, for one batch shape."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, batch: int, seq: int, quantize: str | None):
-        self.model, self.dtype, self.batch, self.seq, self.quantize = (
-            meta_model(config, dtype),
-            dtype,
-            batch,
-            seq,
-            quantize,
-        )
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        batch: int,
+        seq: int,
+        quantize: str | None = None,
+        device: str = "cuda",
+    ) -> None:
+        self.model, self.batch, self.seq, self.quantize = meta_model(config, dtype), batch, seq, quantize
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+        self.device = device
         self.weights = weight_bytes(self.model, quantize)
         self.targets = [module.weight for _, module in targeted_modules(self.model, NeuroAdaConfig())]
         self.shapes = targeted_shapes(self.model, NeuroAdaConfig())
@@ -185,11 +193,15 @@ class Estimator:
         with trained(parameters):
             return saved_bytes(self.model, self.batch, self.seq)
 
-    def _estimate(self, method: str, trainable: int, own: int, trained: int, saved: int) -> Estimate:
-        """`own`: the adapter's tensors; `trained`: bytes of the parameters AdamW updates (the size of their
-        gradients, and of each of its two states)."""
+    def _estimate(self, method: str, trainable: int, own: int, trained: list[int], saved: int) -> Estimate:
+        """`own`: the adapter's tensors; `trained`: the bytes of each tensor AdamW updates (the size of its gradient,
+        and of each of AdamW's two states for it)."""
+        total = sum(trained)
+        # torch's AdamW on CUDA updates all tensors at once (foreach: one square-root copy of every second moment);
+        # on the CPU one tensor at a time (a square root and its quotient of the largest tensor).
+        temporaries = total if self.device == "cuda" else 2 * max(trained, default=0)
         return Estimate(
-            method, trainable, self.weights + own, trained, ADAMW_STATES * trained, saved, self.loss_gradient
+            method, trainable, self.weights + own, total, ADAMW_STATES * total, saved, self.loss_gradient, temporaries
         )
 
     def frozen(self) -> Estimate:
@@ -200,15 +212,15 @@ class Estimator:
             saved = self._saved([])
         finally:
             handle.remove()
-        return Estimate("frozen", 0, self.weights, 0, 0, saved, self.loss_gradient)
+        return Estimate("frozen", 0, self.weights, 0, 0, saved, self.loss_gradient, 0)
 
     def neuroada(self, k: int) -> Estimate:
         """NeuroAda keeps exactly what the targeted weights' own gradients would (each layer's input); its deltas and
         their gradients never take a dense shape."""
         trainable = neuroada_parameter_count(self.shapes, k)
-        values = trainable * ADAPTER_DTYPE.itemsize
-        own = values + index_bytes(self.shapes, k)
-        return self._estimate(f"NeuroAda k={k}", trainable, own, values, self._saved(self.targets))
+        deltas = [d_out * min(k, d_in) * ADAPTER_DTYPE.itemsize for d_out, d_in in self.shapes]
+        own = sum(deltas) + index_bytes(self.shapes, k)
+        return self._estimate(f"NeuroAda k={k}", trainable, own, deltas, self._saved(self.targets))
 
     def lora(self, k: int) -> Estimate:
         """LoRA at the rank whose parameter count is closest to NeuroAda's with this k, traced with peft's LoRA."""
@@ -218,18 +230,18 @@ class Estimator:
         peft_model = get_peft_model(self.model, config)
         try:
             parameters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
-            trainable = sum(parameter.numel() for parameter in parameters)
             saved = saved_bytes(peft_model, self.batch, self.seq)
         finally:
             self.model = peft_model.unload()
-        own = trainable * ADAPTER_DTYPE.itemsize
-        return self._estimate(f"LoRA r={rank} (k={k}'s budget)", trainable, own, own, saved)
+        trainable = sum(parameter.numel() for parameter in parameters)
+        factors = [parameter.numel() * parameter.element_size() for parameter in parameters]
+        return self._estimate(f"LoRA r={rank} (k={k}'s budget)", trainable, sum(factors), factors, saved)
 
     def mask(self, k: int) -> Estimate:
         """Mask-based sparse tuning of NeuroAda's k entries: the targeted weights train whole, their gradients and
         optimizer state dense in the model's dtype, the mask applied to the gradient."""
         self._refuse_quantized("mask-based tuning")
-        dense = sum(weight.numel() * weight.element_size() for weight in self.targets)
+        dense = [weight.numel() * weight.element_size() for weight in self.targets]
         masks = sum(weight.numel() for weight in self.targets)  # one bool per entry
         trainable = neuroada_parameter_count(self.shapes, k)
         return self._estimate(f"mask-based k={k}", trainable, masks, dense, self._saved(self.targets))
@@ -237,7 +249,7 @@ class Estimator:
     def full(self) -> Estimate:
         self._refuse_quantized("full fine-tuning")
         parameters = list(self.model.parameters())
-        dense = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+        dense = [parameter.numel() * parameter.element_size() for parameter in parameters]
         trainable = sum(parameter.numel() for parameter in parameters)
         return self._estimate("full fine-tuning", trainable, 0, dense, self._saved(parameters))
 
@@ -254,11 +266,12 @@ def estimate(
     batch: int = 1,
     seq: int = 512,
     quantize: str | None = None,
+    device: str = "cuda",
 ) -> list[Estimate | tuple[str, str]]:
     """Each method at each k (LoRA at k's budget; mask-based with k's entries); a method that cannot run on this
     set-up is a (method, reason) pair instead."""
     config = model if isinstance(model, PretrainedConfig) else load_config(model)
-    estimator = Estimator(config, DTYPES[dtype], batch, seq, quantize)
+    estimator = Estimator(config, DTYPES[dtype], batch, seq, quantize, device)
     rows: list[Estimate | tuple[str, str]] = []
     per_method: dict[str, Callable[[], list[Estimate]]] = {
         "frozen": lambda: [estimator.frozen()],
@@ -281,13 +294,15 @@ def gib(count: int) -> str:
 
 def format_table(rows: list[Estimate | tuple[str, str]]) -> str:
     lines = [
-        "| method | trainable | weights (GiB) | gradients | optimizer | activations | loss gradient | total (GiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | trainable | weights (GiB) | gradients | optimizer | activations | loss gradient "
+        "| step temporaries | total (GiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         if isinstance(row, tuple):
-            lines.append(f"| {row[0]} | cannot run: {row[1]} | | | | | | |")
+            lines.append(f"| {row[0]} | cannot run: {row[1]} | | | | | | | |")
             continue
-        cells = [row.weights, row.gradients, row.optimizer, row.activations, row.loss_gradient, row.total]
+        cells = [row.weights, row.gradients, row.optimizer, row.activations, row.loss_gradient, row.step_temporaries]
+        cells.append(row.total)
         lines.append(f"| {row.method} | {row.trainable:,} | " + " | ".join(gib(cell) for cell in cells) + " |")
     return "\n".join(lines)
