@@ -189,7 +189,7 @@ TASKS = {"second_largest": GeneratedTask, "commonsense": CommonsenseTask}
 
 
 # The learning rates a sweep may try, in half-decade steps; each family starts from four of them.
-LADDER = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+LADDER = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 
 
 def dense_count(parameters: list[torch.nn.Parameter], size: int) -> int:

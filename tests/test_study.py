@@ -63,7 +63,7 @@ def test_every_budget_is_swept_and_tested_on_other_seeds_and_a_rerun_trains_noth
     [
         (3e-4, {1e-3, 3e-3, 1e-2, 3e-2, 3e-4, 1e-4}),  # below the grid: two steps down, the second one worse
         (1e-2, {1e-3, 3e-3, 1e-2, 3e-2}),  # inside it: the grid alone
-        (1.0, {1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1}),  # above it: up to the ladder's top
+        (3.0, {1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0}),  # above it: up to the ladder's top
     ],
 )
 def test_a_sweep_goes_beyond_its_grid_while_the_best_rate_is_on_its_edge(peak, tried, monkeypatch) -> None:
