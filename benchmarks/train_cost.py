@@ -110,11 +110,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup must be >= 0, --steps and --rounds >= 1")
     if args.clock is None:
-        gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-        args.clock = "wall" if gpu else "cpu"
+        args.clock = "wall" if on_gpu(args.device) else "cpu"
     if "floor" not in args.variants:
         args.variants.insert(0, "floor")  # every ratio is to the floor
     return args
+
+
+def on_gpu(device: str) -> bool:
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         payload = {
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "torch": torch.__version__,
-            "machine": common.machine(torch.cuda.get_device_name() if args.clock == "wall" else None),
+            "machine": common.machine(torch.cuda.get_device_name() if on_gpu(args.device) else None),
             "results": [asdict(r) | {"accounted_bytes": r.accounted_bytes} for r in results],
             "targets": checks,
         }
