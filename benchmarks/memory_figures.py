@@ -9,30 +9,32 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import common
 import matplotlib
 import torch
 from cost.variants import RANDOM_CONFIGS
-from transformers import LlamaConfig, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
+from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.estimate import Estimate, Estimator, weight_bytes
-from peft_neuroada.train.models import load_default_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
 STUDY = common.REPO_ROOT / "docs" / "study"
 GIB = 2**30
-VARIANTS = {  # train_cost.py's variant -> the estimate of the same method (None: the estimate has no such method)
-    "floor": "frozen",
-    "neuroada-k1": "neuroada 1",
-    "neuroada-k20": "neuroada 20",
+# train_cost.py's variant -> the estimate of the same method (None: the estimate has no such method)
+VARIANTS: dict[str, Callable[[Estimator], Estimate] | None] = {
+    "floor": Estimator.frozen,
+    "neuroada-k1": lambda estimator: estimator.neuroada(1),
+    "neuroada-k20": lambda estimator: estimator.neuroada(20),
     "paper-scatter-k20": None,
-    "mask-k20": "mask 20",
-    "lora-budget": "lora 20",
-    "full": "full",
+    "mask-k20": lambda estimator: estimator.mask(20),
+    "lora-budget": lambda estimator: estimator.lora(20),
+    "full": Estimator.full,
 }
 # LLaMA3-8B's shape (its config.json), estimated at the paper's batch of 2; the paper's sequence length is not stated,
 # so 512 tokens stands for a GSM8K example.
@@ -50,12 +52,7 @@ PAPER = "NeuroAda saves up to 60% of mask-based tuning's GPU memory on LLaMA3-8B
 
 
 def model_config(name: str) -> PretrainedConfig:
-    return load_default_model()[0].config if name == "smollm2" else RANDOM_CONFIGS[name]
-
-
-def estimated(estimator: Estimator, method: str) -> Estimate:
-    name, _, k = method.partition(" ")
-    return getattr(estimator, name)(int(k)) if k else getattr(estimator, name)()
+    return AutoConfig.from_pretrained(default_model_path()) if name == "smollm2" else RANDOM_CONFIGS[name]
 
 
 def rows_of(report: dict) -> list[dict]:
@@ -69,14 +66,14 @@ def rows_of(report: dict) -> list[dict]:
     results = {result["variant"]: result for result in report["results"] if result["error"] is None}
     floor = results["floor"]["step_cpu_s"]
     rows = []
-    for variant, method in VARIANTS.items():
+    for variant, estimate in VARIANTS.items():
         if variant not in results:
             continue
         result = results[variant]
         row = {"variant": variant, "label": result["label"], "peak": base + result["peak_growth_bytes"]}
         row |= {
             "step": result["step_cpu_s"] / floor,
-            "estimate": estimated(estimator, method).total if method else None,
+            "estimate": estimate(estimator).total if estimate else None,
         }
         rows.append(row)
     return rows

@@ -321,18 +321,17 @@ class Study:
     def learning_rate(self, family: str, size: int) -> float:
         """This budget's sweep: the rate that scores best on the dev questions (the smaller one on a tie), the grid
         extended by a half-decade step while the best rate sits on its edge."""
-        rates, scores = list(FAMILIES[family].learning_rates), {}
-        while True:
+        scores: dict[float, float] = {}
+        rates = list(FAMILIES[family].learning_rates)
+        while rates:
             for rate in rates:
-                if rate not in scores:
-                    scores[rate] = self.run("sweep", family, size, rate, self.settings.sweep_seed)["accuracy"]
+                scores[rate] = self.run("sweep", family, size, rate, self.settings.sweep_seed)["accuracy"]
             best = max(sorted(scores), key=lambda rate: scores[rate])
             step = -1 if best == min(scores) else 1 if best == max(scores) else 0
             beyond = LADDER.index(best) + step
             alone = list(scores.values()).count(scores[best]) == 1  # a tie is no direction to go in
-            if step == 0 or not alone or not 0 <= beyond < len(LADDER):
-                return best
-            rates.append(LADDER[beyond])
+            rates = [LADDER[beyond]] if step and alone and 0 <= beyond < len(LADDER) else []
+        return best
 
     def run_all(self, families: list[str], smallest_and_largest: bool = False, only: set[int] | None = None) -> None:
         for family in families:

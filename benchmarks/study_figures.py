@@ -45,6 +45,12 @@ def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
     return {budget: max(sorted(scores), key=lambda rate: scores[rate]) for budget, scores in swept.items()}
 
 
+def in_budget_order(item: tuple[tuple[str, int], float]) -> tuple[int, int]:
+    """Sort key of a ((family, budget), rate) item: families as LABELS lists them, then budgets upward."""
+    (family, size), _ = item
+    return list(LABELS).index(family), size
+
+
 @dataclass(frozen=True)
 class Point:
     """One budget of one method at its chosen rate: its test runs (one per seed) and what they add up to."""
@@ -70,9 +76,7 @@ class Point:
 def points(runs: list[dict]) -> dict[str, list[Point]]:
     """Per family, in the order of the budgets: each budget that has test runs at its chosen rate."""
     table: dict[str, list[Point]] = {}
-    for (family, size), rate in sorted(
-        chosen_rates(runs).items(), key=lambda item: (list(LABELS).index(item[0][0]), item[0][1])
-    ):
+    for (family, size), rate in sorted(chosen_rates(runs).items(), key=in_budget_order):
         tested = [
             run
             for run in runs
@@ -194,7 +198,7 @@ def markdown(runs: list[dict], table: dict[str, list[Point]]) -> str:
     differences, for docs/results.md."""
     rates = chosen_rates(runs)
     rows = ["| method | budget | dev accuracy per learning rate |", "|---|---:|---|"]
-    for (family, size), rate in sorted(rates.items(), key=lambda item: (list(LABELS).index(item[0][0]), item[0][1])):
+    for (family, size), rate in sorted(rates.items(), key=in_budget_order):
         swept = sorted(
             (run for run in runs if run["phase"] == "sweep" and (run["family"], run["size"]) == (family, size)),
             key=lambda run: run["learning_rate"],

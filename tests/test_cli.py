@@ -13,8 +13,9 @@ import torch
 from transformers import AutoTokenizer, set_seed
 
 from peft_neuroada.train import training
-from peft_neuroada.train.cli import PROTOCOL_NAMES, TRAINING_EXTRA, main
+from peft_neuroada.train.cli import ESTIMATE_METHODS, PROTOCOL_NAMES, TRAINING_EXTRA, main
 from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.estimate import METHODS
 from peft_neuroada.train.protocols import PROTOCOLS
 from peft_neuroada.train.recipes import load_recipe
 from tests.conftest import save_tiny_llama
@@ -77,8 +78,9 @@ def test_the_default_model_names_the_extra_that_converts_it(monkeypatch, tmp_pat
         default_model_path()
 
 
-def test_the_command_line_knows_the_protocols_without_importing_them():
+def test_the_command_line_knows_the_protocols_and_estimated_methods_without_importing_them():
     assert PROTOCOL_NAMES == tuple(sorted(PROTOCOLS))
+    assert ESTIMATE_METHODS == METHODS
 
 
 def test_help_lists_the_subcommands(capsys):
@@ -86,7 +88,7 @@ def test_help_lists_the_subcommands(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert all(command in out for command in ("train", "eval", "compare", "demo", "prompts", "score"))
+    assert all(command in out for command in ("train", "eval", "compare", "demo", "prompts", "score", "estimate"))
 
 
 def test_train_then_eval_reproduces_the_scores_from_the_saved_adapter(tiny_llama_dir, tmp_path, capsys):

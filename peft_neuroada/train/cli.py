@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 PROTOCOL_NAMES = ("lenient", "paper")
-METHODS = ("neuroada", "lora", "mask", "full", "frozen")
-"""estimate.METHODS, spelled out for the same reason."""
 """protocols.PROTOCOLS' names, spelled out so that `neuroada --help` needs none of the training extra."""
+ESTIMATE_METHODS = ("neuroada", "lora", "mask", "full", "frozen")
+"""estimate.METHODS, spelled out so that building the parser does not import the estimator."""
 TRAINING_EXTRA = ("datasets", "yaml", "gguf", "tqdm")
 """What `pip install -e ".[train]"` adds to the core plugin (gguf only for the embedded default model)."""
 
@@ -82,7 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--quantize", choices=("nf4",), help="the base loaded in 4 bits (QLoRA's)")
     estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where AdamW steps")
     estimate.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=["neuroada", "lora", "mask", "full"], help="what to estimate"
+        "--methods",
+        nargs="+",
+        choices=ESTIMATE_METHODS,
+        default=["neuroada", "lora", "mask", "full"],
+        help="what to estimate",
     )
     return parser
 

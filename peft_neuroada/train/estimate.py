@@ -26,10 +26,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 
 from ..budget import lora_rank_for_k, neuroada_parameter_count, targeted_shapes
 from ..tuner.config import DTYPES, NeuroAdaConfig
-from ..tuner.index_storage import PACKED_DTYPE
+from ..tuner.index_storage import to_buffer
 from ..tuner.model import targeted_modules
 
-METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.METHODS spells them out too
+METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.ESTIMATE_METHODS spells them out too
 DEVICES = ("cuda", "cpu")  # where AdamW steps: its temporaries differ (Estimator._estimate)
 ADAPTER_DTYPE = torch.float32  # peft keeps an adapter of a 16-bit model in float32 (`autocast_adapter_dtype`)
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size and dtype of its parameter
@@ -157,11 +157,11 @@ def weight_bytes(model: nn.Module, quantize: str | None) -> int:
 
 
 def index_bytes(shapes: list[tuple[int, int]], k: int) -> int:
-    """NeuroAda's column indices: int16 pairs (an odd count padded) up to 32,768 inputs, int32 beyond."""
+    """NeuroAda's column indices, as its layers store them (index_storage.to_buffer, on meta tensors)."""
     total = 0
     for d_out, d_in in shapes:
-        entries = d_out * min(k, d_in)
-        total += 2 * (entries + entries % 2) if d_in <= torch.iinfo(PACKED_DTYPE).max + 1 else 4 * entries
+        buffer = to_buffer(torch.empty(d_out, min(k, d_in), dtype=torch.long, device="meta"), d_in)
+        total += buffer.numel() * buffer.element_size()
     return total
 
 
