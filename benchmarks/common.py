@@ -68,6 +68,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def best_learning_rate(scores: Mapping[float, float]) -> float:
+    """A sweep's choice, the study's and its figures' alike: the rate that scores best, the smaller one on a tie."""
+    return max(sorted(scores), key=lambda rate: scores[rate])
+
+
 def machine(gpu: str | None = None) -> dict:
     """The machine a benchmark ran on, recorded with its figures: the CPU's model name, its count, and a GPU's name."""
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []

@@ -326,7 +326,7 @@ class Study:
         while rates:
             for rate in rates:
                 scores[rate] = self.run("sweep", family, size, rate, self.settings.sweep_seed)["accuracy"]
-            best = max(sorted(scores), key=lambda rate: scores[rate])
+            best = common.best_learning_rate(scores)
             step = -1 if best == min(scores) else 1 if best == max(scores) else 0
             beyond = LADDER.index(best) + step
             alone = list(scores.values()).count(scores[best]) == 1  # a tie is no direction to go in

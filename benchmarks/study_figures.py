@@ -42,7 +42,7 @@ def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
     for run in runs:
         if run["phase"] == "sweep":
             swept.setdefault((run["family"], run["size"]), {})[run["learning_rate"]] = run["accuracy"]
-    return {budget: max(sorted(scores), key=lambda rate: scores[rate]) for budget, scores in swept.items()}
+    return {budget: common.best_learning_rate(scores) for budget, scores in swept.items()}
 
 
 def in_budget_order(item: tuple[tuple[str, int], float]) -> tuple[int, int]:
