@@ -1,6 +1,5 @@
-"""What every benchmark script shares: importing this checkout's `peft_neuroada` without installing it (with
-`PLAIN_PATH=1` in the environment, without its accelerators), the interleaved timing loop, and the Markdown tables
-they print."""
+"""What every benchmark script shares: importing this checkout's `peft_neuroada` without installing it, the
+interleaved timing loop, and the Markdown tables they print."""
 
 from __future__ import annotations
 
@@ -15,21 +14,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-
-class _HideAccelerators:
-    """`PLAIN_PATH=1`: `peft_neuroada.accel` cannot be imported, so every layer runs the tuner's plain path."""
-
-    def find_spec(self, name: str, path=None, target=None):
-        if name == "peft_neuroada.accel" or name.startswith("peft_neuroada.accel."):
-            raise ModuleNotFoundError(f"No module named {name!r} (PLAIN_PATH=1)")
-        return None
-
-
-if os.environ.get("PLAIN_PATH") == "1":
-    sys.meta_path.insert(0, _HideAccelerators())
+# First on the path even where an editable install of another checkout is on it already (its .pth adds that
+# checkout's root after site-packages), so a second worktree's benchmarks time that worktree's package.
+sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(REPO_ROOT)]
 
 Samples = dict[str, tuple[list[float], list[float]]]
 

@@ -19,11 +19,12 @@ out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 variants=(floor neuroada-k1 neuroada-k20 paper-scatter-k20 mask-k20 lora-budget full)
+# --gen-steps 0: the time limits were sized before train_cost timed greedy generation.
 if ((dry_run)); then
-  device=cpu dtype=float32 models=(tiny) limits=(300) options=(--steps 1 --warmup 1 --infer-steps 1)
+  device=cpu dtype=float32 models=(tiny) limits=(300) options=(--steps 1 --warmup 1 --infer-steps 1 --gen-steps 0)
   study=(--dry-run) study_limit=300
 else
-  device=cuda dtype=bfloat16 models=(llama-1b-random smollm2) limits=(240 90) options=()
+  device=cuda dtype=bfloat16 models=(llama-1b-random smollm2) limits=(240 90) options=(--gen-steps 0)
   study=() study_limit=110
   nvidia-smi > "$out/gpu.txt" || true
 fi

@@ -2,7 +2,7 @@
 
     python benchmarks/primitives.py                      # 512 tokens x (576 -> 1536), k = 1 and 20
     python benchmarks/primitives.py --tokens 256 --d-in 1536 --d-out 4096 --threads 2
-    python benchmarks/primitives.py --device cuda        # Triton and cuSPARSE candidates, wall clock
+    python benchmarks/primitives.py --device cuda        # the same candidates on CUDA (cuSPARSE), wall clock
 
 Every candidate is checked against a plain reference before it is timed. Times are medians over repeated calls of
 both wall-clock and process CPU time; ratios are to the layer's dense forward matmul (`x @ W.T`), the unit a frozen
@@ -26,9 +26,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.accel import kernels
-from peft_neuroada.accel.kernels import cpu as cpu_kernels
 from peft_neuroada.budget import lora_rank_for_k
+from peft_neuroada.tuner import products
+from peft_neuroada.tuner.forward import merged_copy
+from peft_neuroada.tuner.placement import Placement
 
 
 @dataclass
@@ -107,8 +108,14 @@ def fwd_base(layer: Layer) -> torch.Tensor:
     return F.linear(layer.x, layer.weight)
 
 
+def fwd_merged_copy(layer: Layer) -> torch.Tensor:
+    """NeuroAda's path for batches: one dense matmul on a transient copy W + P∘Θ (the frozen weight is not written)."""
+    return F.linear(layer.x, merged_copy(layer.weight, [Placement(layer.cols)], [layer.delta]))
+
+
 def fwd_inplace_merge(layer: Layer) -> torch.Tensor:
-    """NeuroAda's fast path: add deltas into W's own storage, one dense matmul, write the originals back."""
+    """Add the deltas into W's own storage, one dense matmul, write the originals back (no copy, but it writes the
+    frozen weight, which threads and shared weights cannot allow)."""
     weight, cols = layer.weight, layer.cols
     originals = weight.gather(1, cols)
     weight.scatter_add_(1, cols, layer.delta)
@@ -142,6 +149,10 @@ def bwd_input_base(layer: Layer) -> torch.Tensor:
     return layer.grad_out @ layer.weight
 
 
+def bwd_input_merged_copy(layer: Layer) -> torch.Tensor:
+    return layer.grad_out @ merged_copy(layer.weight, [Placement(layer.cols)], [layer.delta])
+
+
 def bwd_input_inplace_merge(layer: Layer) -> torch.Tensor:
     weight, cols = layer.weight, layer.cols
     originals = weight.gather(1, cols)
@@ -171,7 +182,7 @@ def select_top_magnitude(layer: Layer) -> torch.Tensor:
     return layer.weight.abs().topk(layer.k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
-# ------------------------------------------------- peft_neuroada.kernels: each backend the dispatcher chooses from
+# ------------------------------------------------------ peft_neuroada.tuner.products: the bypass's sparse products
 
 
 def bypass_fwd_reference(layer: Layer) -> torch.Tensor:
@@ -182,31 +193,23 @@ def bypass_input_reference(layer: Layer) -> torch.Tensor:
     return layer.grad_out @ layer.csr(layer.delta).to_dense()
 
 
-def kernel_candidates(backend: str) -> dict[str, Callable[[Layer], torch.Tensor]]:
-    """One backend's three products, alone and as the non-mutating path uses them: the bypass added into the base
-    matmul's output in place (`out=`)."""
+def product_candidates() -> dict[str, Callable[[Layer], torch.Tensor]]:
+    """The tuner's three products, alone and as the bypass uses them: added to the base layer's output."""
 
     def grad(layer: Layer) -> torch.Tensor:
-        return kernels.sampled_grad(layer.x, layer.grad_out, layer.cols, backend=backend)
+        return products.sampled_grad(layer.x, layer.grad_out, layer.cols, None)
 
     def bypass(layer: Layer) -> torch.Tensor:
-        return kernels.bypass_forward(layer.x, layer.cols, None, layer.delta, layer.weight.shape[0], backend=backend)
+        return products.bypass_forward(layer.x, layer.cols, None, layer.delta, layer.weight.shape[0])
 
     def bypass_input(layer: Layer) -> torch.Tensor:
-        return kernels.bypass_input_grad(
-            layer.grad_out, layer.cols, None, layer.delta, layer.weight.shape[1], backend=backend
-        )
+        return products.bypass_input_grad(layer.grad_out, layer.cols, None, layer.delta, layer.weight.shape[1])
 
     def base_plus_bypass(layer: Layer) -> torch.Tensor:
-        base = F.linear(layer.x, layer.weight)
-        return kernels.bypass_forward(layer.x, layer.cols, None, layer.delta, base.shape[1], out=base, backend=backend)
+        return F.linear(layer.x, layer.weight) + bypass(layer)
 
     def input_base_plus_bypass(layer: Layer) -> torch.Tensor:
-        base = layer.grad_out @ layer.weight
-        d_in = base.shape[1]
-        return kernels.bypass_input_grad(
-            layer.grad_out, layer.cols, None, layer.delta, d_in, out=base, backend=backend
-        )
+        return layer.grad_out @ layer.weight + bypass_input(layer)
 
     return {
         "delta grad": grad,
@@ -255,14 +258,17 @@ def layer_modules(layer: Layer) -> dict[str, nn.Module]:
 
 
 CANDIDATES: dict[str, tuple[Callable[[Layer], torch.Tensor], list[Callable[[Layer], torch.Tensor]]]] = {
-    # group: (reference, candidates); the kernels' candidates join these groups in `layer_calls`
-    "forward": (fwd_reference, [fwd_base, fwd_inplace_merge, fwd_csr_mm, fwd_gather, fwd_scatter_add]),
+    # group: (reference, candidates); the tuner's products join these groups in `layer_calls`
+    "forward": (
+        fwd_reference,
+        [fwd_base, fwd_merged_copy, fwd_inplace_merge, fwd_csr_mm, fwd_gather, fwd_scatter_add],
+    ),
     "bypass fwd": (bypass_fwd_reference, []),
     "delta grad": (
         grad_dense_gather,
         [grad_dense_gather, grad_column_loop, grad_sampled_addmm, grad_row_gather_bmm, grad_vectorized_gather],
     ),
-    "input grad": (bwd_input_reference, [bwd_input_base, bwd_input_inplace_merge]),
+    "input grad": (bwd_input_reference, [bwd_input_base, bwd_input_merged_copy, bwd_input_inplace_merge]),
     "bypass input grad": (bypass_input_reference, []),
     "selection": (selected_columns, [select_top_magnitude]),
 }
@@ -291,11 +297,10 @@ def layer_calls(layer: Layer) -> dict[tuple[str, str], Callable[[], object]]:
         for fn in candidates:
             check(layer, reference, fn)
             calls[group, fn.__name__.split("_", 1)[1]] = lambda fn=fn: fn(layer)
-    for backend in kernels.available_backends(layer.x.device):
-        for group, fn in kernel_candidates(backend).items():
-            check(layer, CANDIDATES[group][0], fn)
-            prefix = "base + " if group in ("forward", "input grad") else ""
-            calls[group, f"{prefix}kernels[{backend}]"] = lambda fn=fn: fn(layer)
+    for group, fn in product_candidates().items():
+        check(layer, CANDIDATES[group][0], fn)
+        prefix = "base + " if group in ("forward", "input grad") else ""
+        calls[group, f"{prefix}products"] = lambda fn=fn: fn(layer)
     for name, module in layer_modules(layer).items():
         calls["layer fwd+bwd", name] = lambda module=module: layer_step(module, layer)
     if layer.x.is_cuda:  # time the kernels, not their launches
@@ -317,30 +322,6 @@ def run(
     return rows
 
 
-def delta_grad_phases(layer: Layer, repeats: int) -> list[str]:
-    """Where the C delta gradient's time goes, one row: the layout it takes for k here, microseconds of the whole call,
-    of each phase on the calling thread (`cpu.SAMPLED_GRAD_PHASES`), of the rest (index checks, scratch, adding the
-    other threads' partial sums), and what its n*k*T multiply-adds would take at the dense base matmul's rate. Calls
-    alternate with that matmul, so the kernel reads its inputs as in a backward pass, not from a cache it just warmed
-    itself."""
-    recorded: list[dict[str, float]] = []
-
-    def profiled() -> None:
-        phases: dict[str, float] = {}
-        cpu_kernels.sampled_grad(layer.x, layer.grad_out, layer.cols, None, phases)
-        recorded.append(phases)
-
-    profiled()
-    recorded.clear()
-    samples = interleaved_samples({"matmul": lambda: fwd_base(layer), "delta grad": profiled}, repeats)
-    matmul, call = (statistics.median(samples[name][0]) for name in ("matmul", "delta grad"))
-    phases = [statistics.median(p[name] for p in recorded) for name in cpu_kernels.SAMPLED_GRAD_PHASES]
-    at_matmul_rate = matmul * layer.k / layer.weight.shape[1]
-    us = [call, *phases, call - sum(phases), at_matmul_rate]
-    layout = cpu_kernels.layout_for(layer.k)
-    return [str(layer.k), layout, *(f"{t * 1e6:,.0f} ({t / matmul:.2f})" for t in us)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -350,7 +331,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="1 keeps CPU-time figures honest on a shared machine.")
     parser.add_argument("--clock", choices=["cpu", "wall"], help="Time the ratio column uses (cpu; wall on cuda).")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (Triton and cuSPARSE candidates).")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda.")
     args = parser.parse_args()
     clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
     torch.set_num_threads(args.threads)
@@ -358,14 +339,9 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"threads={args.threads}"
     print(
         f"{args.tokens} tokens x ({args.d_in} -> {args.d_out}), float32, {args.device} {where}, "
-        f"kernels {kernels.available_backends(args.device)}, torch {torch.__version__}\n"
+        f"torch {torch.__version__}\n"
     )
     print(markdown_table(["op", "candidate", "k", "wall (us)", "CPU (us)", f"/ base matmul ({clock})"], rows))
-    if args.device == "cpu" and cpu_kernels.available():
-        phases = [delta_grad_phases(Layer.random(args.tokens, args.d_in, args.d_out, k), args.repeats) for k in args.k]
-        print("\nThe C delta gradient, phase by phase: wall us (/ base matmul wall)\n")
-        header = ["k", "layout", "call", *cpu_kernels.SAMPLED_GRAD_PHASES, "rest", "products at the matmul's rate"]
-        print(markdown_table(header, phases))
 
 
 if __name__ == "__main__":

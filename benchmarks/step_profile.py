@@ -3,9 +3,9 @@
     python benchmarks/step_profile.py --model smollm2 --variant neuroada-k1 --dtype bfloat16 --quantize nf4
 
 The step is train_cost's (same model, batch, variant and optimizer), profiled after warmup. NeuroAda's own work shows
-as `SparseBypass` / `SparseBypassBackward` (the non-mutating path: the C kernels run inside them),
-`neuroada::bypass_input_grad`, and `LinearWithDeltas` on float bases; compare a variant's table
-with the floor's to see what it adds.
+as `MergedCopyLinear` / `MergedCopyLinearBackward` on float bases (the merged copy: one matmul on W + P⊙Θ) and as
+`SparseBypass` / `SparseBypassBackward` on quantized ones (the bypass beside the base layer's own forward, its sparse
+products inside them); compare a variant's table with the floor's to see what it adds.
 """
 
 from __future__ import annotations

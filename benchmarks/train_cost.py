@@ -17,6 +17,9 @@ time. Per variant it reports:
 * a deterministic memory account: bytes saved for backward (each storage once, parameters and buffers excluded since
   they exist anyway) + gradient bytes + optimizer-state bytes;
 * inference forward time (no_grad, adapters unmerged);
+* greedy generation, batch 1, adapters unmerged: `--gen-prompt` random prompt tokens, then `--gen-tokens` new ones,
+  one forward each with the KV cache (transformers' `generate`), as new tokens per second (the prompt's forward
+  included) and as a rate relative to the floor's;
 
 and every figure as a ratio to the floor measured in the same run. Timing processes run glibc's default allocator,
 which hands freed memory back to the OS so that every step faults its activations in again (~100k page faults per
@@ -77,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="Untimed training steps before the timed ones.")
     parser.add_argument("--steps", type=int, help="Timed training steps; the median is reported.")
     parser.add_argument("--infer-steps", type=int, help="Timed no-grad forwards (0 skips inference timing).")
+    parser.add_argument("--gen-steps", type=int, help="Timed greedy generations (0 skips generation timing).")
+    parser.add_argument("--gen-prompt", type=int, default=8, help="Prompt tokens of each generation (batch 1).")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="New tokens of each generation.")
     parser.add_argument(
         "--rounds", type=int, default=1, help="Timing passes over all variants; each pass uses new processes."
     )
@@ -109,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, default)
     if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
         parser.error("--warmup must be >= 0, --steps and --rounds >= 1")
+    if args.gen_steps < 0 or args.gen_prompt < 1 or args.gen_tokens < 1:
+        parser.error("--gen-steps must be >= 0, --gen-prompt and --gen-tokens >= 1")
     if args.clock is None:
         args.clock = "wall" if on_gpu(args.device) else "cpu"
     if "floor" not in args.variants:
@@ -137,6 +145,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
             quantize=args.quantize,
             allocator=args.allocator,
             optimizer=args.optimizer,
+            gen_steps=args.gen_steps,
+            gen_prompt=args.gen_prompt,
+            gen_tokens=args.gen_tokens,
         )
         for variant in args.variants
     ]
@@ -148,7 +159,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"dtype={args.dtype} "
         f"device={args.device} "
         f"threads={args.threads or torch.get_num_threads()} rounds={args.rounds} warmup={args.warmup} "
-        f"steps={args.steps} infer_steps={args.infer_steps} torch={torch.__version__} machine={platform.machine()} "
+        f"steps={args.steps} infer_steps={args.infer_steps} "
+        f"gen_steps={args.gen_steps} gen={args.gen_prompt}+{args.gen_tokens} tokens "
+        f"torch={torch.__version__} machine={platform.machine()} "
         f"cpus={os.cpu_count()}\n"
     )
     print(format_table(results, args.clock))
@@ -160,7 +173,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "torch": torch.__version__,
             "machine": common.machine(torch.cuda.get_device_name() if on_gpu(args.device) else None),
-            "results": [asdict(r) | {"accounted_bytes": r.accounted_bytes} for r in results],
+            "results": [
+                asdict(r) | {"accounted_bytes": r.accounted_bytes, "gen_tokens_per_s": r.tokens_per_s("wall")}
+                for r in results
+            ],
             "targets": checks,
         }
         args.json.write_text(json.dumps(payload, indent=2))

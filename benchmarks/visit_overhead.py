@@ -1,5 +1,6 @@
 """What one visit of an adapted layer costs beyond its arithmetic: a tiny layer (8 tokens, 64 -> 64) called through
-PeftModel, where the per-visit Python (path choice, placement, lock, kernel calls) is nearly all of the time.
+PeftModel, where the per-visit Python (path choice, placement, the merged copy or the sparse products' calls) is
+nearly all of the time.
 
     python benchmarks/visit_overhead.py                 # no-grad forward and forward + backward, 1 thread
 

@@ -6,13 +6,12 @@ from .layers import Linear, ParamWrapper
 from .model import NeuroAdaModel
 from .registration import register
 from .tuner.gradient_selection import select_by_gradient
-from .tuner.layer import Accelerator, NeuroAdaLayer
+from .tuner.layer import NeuroAdaLayer
 
 NEUROADA = register()
 
 __all__ = [
     "NEUROADA",
-    "Accelerator",
     "Linear",
     "NeuroAdaConfig",
     "NeuroAdaLayer",

@@ -8,9 +8,10 @@ from peft.tuners.tuners_utils import _get_in_out_features
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .targets import targeted_modules, targeted_parameters
 from .tuner.config import NeuroAdaConfig
 from .tuner.experts import is_transposed
-from .tuner.model import expert_projections, targeted_modules, targeted_parameters
+from .tuner.model import expert_projections
 from .tuner.selection import tuned_neuron_count
 
 

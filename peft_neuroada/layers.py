@@ -1,13 +1,14 @@
-"""The plugin's NeuroAda layers: the tuner's, computing through the accelerators, with the plugin's guard rails.
+"""The plugin's NeuroAda layers: the tuner's, with the plugin's guard rails.
 
 On top of the tuner's layers they keep each adapter's placement for reuse and check its indices whenever they change
-(the C kernels read them through raw pointers), serve mixed batches per thread (a context variable where peft's
+(before a sparse kernel or a merge reads them), serve mixed batches per thread (a context variable where peft's
 forward hooks would reach every thread's calls), and read quantized weights a block of rows at a time.
 """
 
 from __future__ import annotations
 
-import functools
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -23,20 +24,6 @@ from .tuner.index_storage import from_buffer
 from .tuner.model import MixedBatch
 from .tuner.placement import Placement
 from .weighted_adapters import WeightedLayer
-
-PLAIN_PATH = layer.Accelerator()
-
-
-@functools.cache
-def installed_accelerator() -> layer.Accelerator:
-    """`peft_neuroada.accel`'s accelerator, imported with the first layer (it registers a torch custom op and, on
-    first use, fork handlers and a compiled library); the plain path where it cannot be imported."""
-    try:
-        from .accel import ACCELERATOR
-    except ImportError:
-        return PLAIN_PATH
-    return ACCELERATOR
-
 
 # The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
 # `ContextVar.get`, but guards on the plain list of calls serving one (append and remove are atomic): graphs without
@@ -71,11 +58,6 @@ class PluginLayer(WeightedLayer):
     """What the plugin adds to a tuner layer (mixed in before it)."""
 
     requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        PluginLayer.accelerator = installed_accelerator()
-        super().__init__(*args, **kwargs)
-        self.accelerator.weight_writes(self)  # the accelerators make the layer's lock now, never within a visit
 
     def placement(self, adapter_name: str) -> Placement:
         """The adapter's placement: the same object while its index buffer, rows and deltas' shape are unchanged, and
@@ -132,14 +114,6 @@ class PluginLayer(WeightedLayer):
                 return f"its neuroada_rows {problem}"
         return None
 
-    def frozen(self):
-        """The frozen layer as the accelerated paths take it (for inspecting the path a call takes)."""
-        if self.accelerator is PLAIN_PATH:
-            raise RuntimeError("peft_neuroada.accel is not importable here: every layer takes the plain path.")
-        from .accel import frozen_linear
-
-        return frozen_linear(self)
-
 
 class Linear(PluginLayer, layer.Linear):
     __doc__ = layer.Linear.__doc__
@@ -159,8 +133,42 @@ class Linear(PluginLayer, layer.Linear):
         return super()._select(adapter_name, config, k)
 
 
+class CallLock:
+    """Serialises the calls of one expert wrapper, whose parametrization changes the experts module for the call.
+    Copies and pickles get their own lock, and a forked child a fresh one: a lock another thread held at the fork
+    would never be released there."""
+
+    def __init__(self) -> None:
+        self._pid, self._lock = os.getpid(), threading.Lock()
+
+    def __enter__(self) -> None:
+        if self._pid != os.getpid():
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+    def __reduce__(self) -> tuple:
+        return (CallLock, ())
+
+    def __deepcopy__(self, memo: dict) -> CallLock:
+        return CallLock()
+
+
 class ParamWrapper(PluginLayer, experts.ParamWrapper):
-    __doc__ = experts.ParamWrapper.__doc__
+    __doc__ = (
+        experts.ParamWrapper.__doc__ + "\n\n    The plugin's serves calls from any number of threads, one at a time."
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._call_lock = CallLock()
+        super().__init__(*args, **kwargs)
+
+    @contextmanager
+    def _deltas_added(self, adapters: list[str]):
+        with self._call_lock, super()._deltas_added(adapters):
+            yield
 
 
 def _versioned(container: BufferDict, name: str) -> torch.Tensor | None:

@@ -21,20 +21,16 @@ from .config import NeuroAdaConfig
 from .loading import check_saved_deltas, check_saved_tensors
 from .peft_compat import PeftCompat, without_wrapper_names
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
+from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
 from .tuner.config import FUSED_PROJECTIONS, LLAMA_STYLE_TARGETS
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer, unreadable_weight
-from .tuner.model import _pass_adapter_names, expert_projections, targeted_modules, targeted_parameters
+from .tuner.model import _pass_adapter_names, expert_projections
 from .weighted_adapters import WeightedAdapters
 
 
 class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
     __doc__ = tuner_model.NeuroAdaModel.__doc__
-
-    linear_cls = layers.Linear
-    param_wrapper_cls = layers.ParamWrapper
-    model_tags = ["neuroada", "peft-neuroada"]
-    select_by_gradient_name = "peft_neuroada.select_by_gradient"
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """The tuner's defaults; a new adapter that leaves some of the paper's projections out says which, once."""
@@ -91,11 +87,27 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         if unready:
             raise ValueError(f"NeuroAda cannot read the quantized weights of {_listed(unready)}.")
 
+    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        super()._post_injection_hook(model, config, adapter_name)
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(["peft-neuroada"])
+
     @classmethod
     def _create_new_module(
-        cls, config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str, tuner: BaseTuner
-    ) -> layers.Linear:
-        new_module = super()._create_new_module(config, adapter_name, target, current_key, tuner)
+        cls,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        target: nn.Module,
+        current_key: str,
+        tuner: BaseTuner,
+        parameter_name: str | None = None,
+    ) -> NeuroAdaLayer:
+        """The plugin's layers, where the tuner creates its own."""
+        if parameter_name is not None:
+            return layers.ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
+        new_module = layers.Linear(
+            target, adapter_name, config, **cls._linear_kwargs(config, target, current_key, tuner)
+        )
         new_module.requantize_with = torchao_config_of(tuner.model)
         return new_module
 

@@ -14,10 +14,10 @@ from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
+from .targets import targeted_modules
 from .tuner.config import NeuroAdaConfig
 from .tuner.experts import ParamWrapper
 from .tuner.layer import NeuroAdaLayer
-from .tuner.model import targeted_modules
 
 
 class WeightedAdapters(BaseTuner):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,28 +21,9 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-# Set by tests/test_plain_path.py: specs run as if peft_neuroada.accel were not installed (the plain path only).
-ACCELERATORS_HIDDEN = os.environ.get("NEUROADA_SPECS_WITHOUT_ACCELERATORS") == "1"
-
-
-class _HideAccelerators:
-    """A meta-path finder refusing `peft_neuroada.accel` and its modules, as a missing subpackage would."""
-
-    def find_spec(self, name: str, path=None, target=None):
-        if name == "peft_neuroada.accel" or name.startswith("peft_neuroada.accel."):
-            raise ModuleNotFoundError(f"No module named {name!r} (hidden by NEUROADA_SPECS_WITHOUT_ACCELERATORS)")
-        return None
-
-
-if ACCELERATORS_HIDDEN:
-    sys.meta_path.insert(0, _HideAccelerators())
-
-# Specs of the accelerated paths themselves (in-place patching, its lock, kernels).
-needs_accelerators = pytest.mark.skipif(ACCELERATORS_HIDDEN, reason="specifies peft_neuroada.accel, hidden here")
-
-from peft_neuroada import NeuroAdaLayer  # noqa: E402  (importing the package registers the NEUROADA peft type)
-from peft_neuroada.train.default_model import default_model_path  # noqa: E402
-from peft_neuroada.train.models import load_default_model  # noqa: E402
+from peft_neuroada import NeuroAdaLayer  # importing the package registers the NEUROADA peft type
+from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.models import load_default_model
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:

@@ -1,8 +1,8 @@
 """A base model loaded in bfloat16 trains with NeuroAda: float32 deltas, finite decreasing loss, frozen weights intact.
 
-Both forward paths matter here: the in-place path adds the float32 deltas into the bf16 weight (rounded to bf16 for
-the matmul) and must write back the exact bf16 originals; the direct path adds the sparse products, accumulated in
-float32, into the bf16 base output.
+Both forward paths matter here: the merged copy adds the float32 deltas into a bf16 copy of the weight (rounded to
+bf16, as a merge and the official code round them); the bypass adds the sparse products, accumulated in float32, into
+the bf16 base output.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ def deltas(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if "neuroada_delta" in n]
 
 
-@pytest.mark.parametrize("inplace_forward", [True, False], ids=["inplace", "bypass"])
-def test_bf16_tiny_llama_trains_float32_deltas(inplace_forward, token_batch):
-    model = get_peft_model(tiny_llama().to(torch.bfloat16), NeuroAdaConfig(k=2, inplace_forward=inplace_forward))
+def test_bf16_tiny_llama_trains_float32_deltas(token_batch):
+    model = get_peft_model(tiny_llama().to(torch.bfloat16), NeuroAdaConfig(k=2))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
 
     losses = train_on_batch(model, token_batch, steps=5, lr=1e-2)
@@ -65,12 +64,12 @@ def test_bf16_smollm2_trains_on_a_short_sequence(smollm2_tokenizer):
         pytest.param(torch.float16, id="float16"),
     ],
 )
-def test_inplace_path_never_copies_the_frozen_weight(dtype):
-    """The in-place path exists to cost no more than a frozen layer: nothing of the weight's size may be allocated."""
+def test_the_copy_path_allocates_at_most_one_copy_of_the_frozen_weight_at_a_time(dtype):
+    """The merged copy is transient: made in forward, freed after its matmul, made again in backward."""
     base = nn.Linear(576, 1536, bias=False).to(dtype).requires_grad_(False)
     layer = Linear(base, "default", NeuroAdaConfig(k=1, init_weights=False))
     x = torch.randn(1, 7, 576, dtype=dtype, requires_grad=True)
     with torch.profiler.profile(profile_memory=True) as profile:
         layer(x).float().sum().backward()
-    largest_allocation = max(event.self_cpu_memory_usage for event in profile.key_averages())
-    assert largest_allocation < base.weight.numel() * base.weight.element_size()
+    largest_allocation = max(event.self_cpu_memory_usage for event in profile.events())
+    assert largest_allocation <= base.weight.numel() * base.weight.element_size()

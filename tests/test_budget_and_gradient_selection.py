@@ -145,7 +145,7 @@ def test_gradient_selection_refuses_to_select_from_layers_no_gradient_reached():
 
 def test_gradient_selection_on_smollm2_moves_indices_and_restarts_deltas_at_zero(smollm2, smollm2_tokenizer):
     batch = smollm2_tokenizer(["Question: what is two plus two? Answer: four."], return_tensors="pt")
-    with pytest.warns(UserWarning, match="call peft_neuroada.select_by_gradient"):
+    with pytest.warns(UserWarning, match=r"until you call peft_neuroada\.[\w.]*select_by_gradient"):
         model = get_peft_model(smollm2, NeuroAdaConfig(k=1, selection="gradient"))
     layer = model.base_model.model.model.layers[3].mlp.down_proj
     by_magnitude = layer.placement("default").cols.clone()

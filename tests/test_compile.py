@@ -1,7 +1,7 @@
 """`torch.compile` of a NeuroAda model trains exactly like eager mode on CPU.
 
-While tracing, `FrozenLinear.path` takes the general path, so the compiled graph uses the sparse bypass and
-never writes into the frozen weights. The Llama test uses backend="aot_eager" (dynamo + AOTAutograd, no code
+The compiled graph traces the tuner's own forward (the merged copy, or the sparse bypass), which never writes into
+the frozen weights. The Llama test uses backend="aot_eager" (dynamo + AOTAutograd, no code
 generation; ~15 s here): inductor needs over a minute to compile even the tiny Llama on two shared cores. The real
 MiniLM test compiles each encoder layer on its own (~10 s; the whole model takes over a minute). Inductor itself is
 checked on a single residual block, in a child process, because the failure it guards against crashes the

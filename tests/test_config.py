@@ -95,7 +95,6 @@ INVALID_FIELDS = [
     ({"selection_seed": False}, "selection_seed must be an integer from"),
     ({"fan_in_fan_out": "no"}, "fan_in_fan_out must be True or False"),
     ({"init_weights": 0}, "init_weights must be True or False"),
-    ({"inplace_forward": "no"}, "inplace_forward must be True or False"),
     ({"target_modules": 5}, "target_modules must be None, a string .* or a list or set of module names"),
     ({"target_modules": ["q_proj", 5]}, "target_modules must be None"),
     ({"target_modules": ("q_proj",)}, "target_modules must be None"),
@@ -244,3 +243,15 @@ def test_half_precision_base_gets_float32_deltas_by_default():
     model = get_peft_model(tiny_llama().to(torch.bfloat16), NeuroAdaConfig())
     deltas = [p for n, p in model.named_parameters() if "neuroada_delta" in n]
     assert deltas and all(p.dtype == torch.float32 for p in deltas)
+
+
+def test_an_adapter_saved_with_the_retired_inplace_forward_field_loads_and_serves_the_same(tmp_path, token_batch):
+    """`inplace_forward` chose the old in-place forward; adapters saved with it load, the field ignored."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    expected = model(token_batch).logits
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**saved, "inplace_forward": False}))
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    assert not hasattr(reloaded.peft_config["default"], "inplace_forward")
+    torch.testing.assert_close(reloaded(token_batch).logits, expected)

@@ -1,6 +1,6 @@
 """On a CUDA GPU (skipped elsewhere): a whole model selects, trains, merges, saves and serves there as on the CPU, and
-the in-place path stays exact when work is queued on several streams. The kernels' own GPU checks are in
-test_kernels.py, the QLoRA-style quantized bases' in test_quantized.py."""
+reads of the frozen weight stay exact when work is queued on several streams. The QLoRA-style quantized bases' GPU
+checks are in test_quantized.py."""
 
 from __future__ import annotations
 
@@ -80,10 +80,9 @@ def test_a_mixed_batch_on_the_gpu_gives_each_row_its_adapters_output(token_batch
     torch.testing.assert_close(mixed, torch.cat([first, second]), rtol=1e-5, atol=1e-5)
 
 
-def test_a_read_queued_on_another_stream_waits_for_the_in_place_visit_before_it():
-    """The lock orders when work is queued, not when the GPU runs it. A frozen read queued on a second stream right
-    after an in-place visit on the first must wait for that visit's restore: left to run beside the visit's long
-    matmul, it would read the patched entries."""
+def test_a_read_queued_on_another_stream_beside_an_adapted_visit_reads_the_frozen_weight():
+    """An adapted visit computes on a copy of the weight: a frozen read queued on a second stream, running beside the
+    visit's long matmul, reads the untouched weight."""
     torch.manual_seed(0)
     base = nn.Linear(4096, 4096, device="cuda").requires_grad_(False)
     layer = Linear(base, "default", NeuroAdaConfig(k=20, init_weights=False))
@@ -94,7 +93,7 @@ def test_a_read_queued_on_another_stream_waits_for_the_in_place_visit_before_it(
     second.wait_stream(torch.cuda.current_stream())
     with torch.no_grad():
         with torch.cuda.stream(first):
-            layer(long_input)  # patch, a matmul of ~20 ms, restore
+            layer(long_input)  # a copy, then a matmul of ~20 ms
         layer.enable_adapters(False)
         with torch.cuda.stream(second):
             read = layer(short_input)

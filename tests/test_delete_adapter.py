@@ -75,7 +75,7 @@ def train_step(model: nn.Module, adapter: str, tokens: torch.Tensor) -> None:
 def model_with_two_adapters(token_batch):
     """A tiny Llama with `default` and DELETED, half its neurons tuned (so rows are kept), after a training step and
     a merge and unmerge of each, so every per-adapter structure a layer keeps exists."""
-    config = NeuroAdaConfig(k=2, neuron_fraction=0.5, init_weights=False, inplace_forward=False)
+    config = NeuroAdaConfig(k=2, neuron_fraction=0.5, init_weights=False)
     model = get_peft_model(tiny_llama(), config).train()
     model.add_adapter(DELETED, NeuroAdaConfig(k=3, neuron_fraction=0.5, init_weights=False))
     for adapter in ("default", DELETED):

@@ -216,7 +216,7 @@ def zero3_enabled(monkeypatch) -> Iterator[None]:
 
 
 def test_injected_before_zero3_partitioning_the_model_computes_the_same_outputs(token_batch):
-    """DeepSpeed's hooks on the base layer send NeuroAda down the general path, which reads the weight only inside
+    """DeepSpeed's hooks on the base layer send NeuroAda down the bypass, which reads the weight only inside
     the base layer's own forward, where ZeRO-3 has gathered it. (Deltas stay whole: docs/distributed.md sets the
     persistence threshold above their size.)"""
     config = NeuroAdaConfig(k=2, init_weights=False)

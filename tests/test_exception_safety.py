@@ -16,8 +16,6 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.accel import kernels
-from peft_neuroada.accel.kernels import cpu
 from peft_neuroada.layers import Linear
 from tests.conftest import neuroada_layers, tiny_llama
 
@@ -62,7 +60,7 @@ def same_weights(layers: list, weights: list[torch.Tensor]) -> bool:
 
 
 def two_adapter_layer(d_in: int = 12, d_out: int = 10) -> Linear:
-    """A layer with two active, overlapping adapters (every neuron and half of them) on the in-place path."""
+    """A layer with two active, overlapping adapters (every neuron and half of them)."""
     torch.manual_seed(0)
     base = nn.Linear(d_in, d_out).requires_grad_(False)
     layer = Linear(base, "a", NeuroAdaConfig(k=3, init_weights=False))
@@ -72,20 +70,12 @@ def two_adapter_layer(d_in: int = 12, d_out: int = 10) -> Linear:
 
 
 def one_adapter_layer(d_in: int = 12, d_out: int = 10) -> Linear:
-    """One float32 adapter on the in-place path, whose entries the C kernels patch and restore."""
     torch.manual_seed(0)
     base = nn.Linear(d_in, d_out).requires_grad_(False)
-    layer = Linear(base, "a", NeuroAdaConfig(k=3, init_weights=False))
-    assert kernels.patches_entries(base.weight, layer.neuroada_delta["a"])
-    return layer
+    return Linear(base, "a", NeuroAdaConfig(k=3, init_weights=False))
 
 
-IN_PLACE_LAYERS = [
-    pytest.param(two_adapter_layer, id="two-adapters-torch-entries"),
-    pytest.param(
-        one_adapter_layer, id="one-adapter-c-entries", marks=pytest.mark.skipif(not cpu.available(), reason="no C")
-    ),
-]
+LAYERS = [pytest.param(two_adapter_layer, id="two-adapters"), pytest.param(one_adapter_layer, id="one-adapter")]
 
 
 def weight_unchanged(layer: Linear) -> Callable[[], None]:
@@ -99,21 +89,20 @@ def weight_unchanged(layer: Linear) -> Callable[[], None]:
     return check
 
 
-@pytest.mark.parametrize("make_layer", IN_PLACE_LAYERS)
+@pytest.mark.parametrize("make_layer", LAYERS)
 @pytest.mark.parametrize("error", FAILURES, ids=lambda e: e.__name__)
-def test_a_failure_at_any_step_of_the_inplace_forward_restores_the_weight(error, make_layer):
+def test_a_failure_at_any_step_of_the_forward_leaves_the_weight_as_it_was(error, make_layer):
     layer = make_layer()
-    assert layer.frozen().path().reason is None
-    x = torch.randn(4, 12)
+    x = torch.randn(64, 12)  # (a batch: the merged-copy path)
     check = weight_unchanged(layer)
     with torch.no_grad():
         assert fail_at_every_step(lambda: layer(x), check, error) > 5
     check()
 
 
-@pytest.mark.parametrize("make_layer", IN_PLACE_LAYERS)
+@pytest.mark.parametrize("make_layer", LAYERS)
 @pytest.mark.parametrize("error", FAILURES, ids=lambda e: e.__name__)
-def test_a_failure_at_any_step_of_forward_and_backward_restores_the_weight(error, make_layer):
+def test_a_failure_at_any_step_of_forward_and_backward_leaves_the_weight_as_it_was(error, make_layer):
     layer = make_layer()
     x = torch.randn(4, 12, requires_grad=True)
     check = weight_unchanged(layer)
@@ -141,9 +130,9 @@ def test_a_failure_at_any_step_of_unmerge_leaves_the_layer_merged(error):
 def test_a_failing_second_adapter_leaves_the_first_adapters_deltas_out_of_the_weight():
     layer = two_adapter_layer()
     check = weight_unchanged(layer)
-    # Placed like "a", so the weight is patched with "a" before "b"'s values (on no device) fail to add.
+    # "a" is added first, then "b"'s values (on no device) fail to add.
     layer.neuroada_delta["b"] = nn.Parameter(torch.zeros_like(layer.neuroada_delta["b"], device="meta"))
-    with pytest.raises(RuntimeError, match="device meta"), torch.no_grad():
+    with pytest.raises(RuntimeError), torch.no_grad():
         layer(torch.randn(4, 12))
     check()
 

@@ -8,8 +8,8 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.accel import kernels
 from peft_neuroada.loading import saved_columns
+from peft_neuroada.tuner import products
 from peft_neuroada.tuner.index_storage import from_buffer, index_dtype, to_buffer
 
 
@@ -74,15 +74,12 @@ def test_layers_at_the_int16_boundary_run_merge_and_reload(d_in, tmp_path):
     torch.testing.assert_close(reloaded(x), expected)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_products_accept_the_last_int16_column_and_refuse_the_one_past_it(backend):
-    if backend not in kernels.available_backends("cpu"):
-        pytest.skip(f"the {backend} kernels are not available here")
+def test_products_accept_the_last_int16_column_and_refuse_the_one_past_it():
     d_in = 32768
     x, delta = torch.randn(2, d_in), torch.ones(3, 1)
     last = torch.full((3, 1), d_in - 1, dtype=torch.int16)
-    out = kernels.bypass_forward(x, last, None, delta, 3, backend=backend)
+    out = products.bypass_forward(x, last, None, delta, 3)
     torch.testing.assert_close(out, x[:, -1:].expand(2, 3))
     past = torch.full((3, 1), d_in - 1, dtype=torch.int32) + 1
     with pytest.raises(IndexError, match="outside"):
-        kernels.bypass_forward(x, past, None, delta, 3, backend=backend)
+        products.bypass_forward(x, past, None, delta, 3)

@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 from peft_neuroada import NeuroAdaConfig
 from tests.conftest import TINY_LLAMA_DISK_MAP, tiny_llama
 
-# Offloaded base layers are hooked, so NeuroAda layers take the non-mutating path on them; the reference takes it too
-# and the two agree bit for bit (the in-place path rounds W + Δ before the matmul: within 2e-7 on these models).
+# Offloaded base layers are hooked, so NeuroAda layers take the bypass on them; the reference takes it too and the two
+# agree bit for bit (the merged copy rounds W + Δ before the matmul: within 2e-7 on these models).
 CONFIGS = {
-    "neuroada": lambda: NeuroAdaConfig(k=2, init_weights=False, inplace_forward=False),
+    "neuroada": lambda: NeuroAdaConfig(k=2, init_weights=False),
     "lora": lambda: LoraConfig(r=2, init_lora_weights=False),
 }
 # The tiny Llama's modules with one decoder block on disk, and the same modules under a PeftModel.

@@ -27,7 +27,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_the_wheel_carries_the_kernel_source_the_start_up_hook_and_the_license(wheel):
     names = set(wheel.namelist())
-    assert {"peft_neuroada/accel/kernels/neuroada_cpu.c", "peft_neuroada.pth", "peft_neuroada_autoload.py"} <= names
+    assert {"peft_neuroada/tuner/forward.py", "peft_neuroada.pth", "peft_neuroada_autoload.py"} <= names
     assert any(re.fullmatch(r"peft_neuroada-[^/]+\.dist-info/licenses/LICENSE", name) for name in names)
     assert wheel.read("peft_neuroada.pth").decode().strip() == "import peft_neuroada_autoload"
 

@@ -92,7 +92,7 @@ REGISTRATION = [
     ("src/peft/__init__.py", '    "ShiraModel",\n', '    "NeuroAdaConfig",\n    "NeuroAdaModel",\n'),
     (
         "src/peft/tuners/neuroada/__init__.py",
-        '__all__ = ["Accelerator", "Linear", "NeuroAdaConfig", "NeuroAdaLayer", "NeuroAdaModel", "ParamWrapper"]\n',
+        '__all__ = ["Linear", "NeuroAdaConfig", "NeuroAdaLayer", "NeuroAdaModel", "ParamWrapper"]\n',
         '\nfrom peft.utils import register_peft_method\n\nregister_peft_method(name="neuroada", '
         'config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel, prefix="neuroada_")\n',
     ),

@@ -85,13 +85,8 @@ def test_the_package_modules_import_each_other_without_cycles_and_the_tuner_neve
     paths = list(PACKAGE.rglob("*.py"))
     modules = {module_name(path) for path in paths}
     graph = {module_name(path): local_imports(path, modules) for path in paths}
-    assert {"accel.paths", "accel.kernels", "accel.kernels.cpu"} <= graph["accel"] | graph["accel.paths"] | graph[
-        "accel.kernels"
-    ]
     tuner = {name for name in graph if name.split(".")[0] == "tuner"}
     assert not [(name, m) for name in tuner for m in graph[name] if m not in tuner], "the tuner imports only itself"
-    accel = {name for name in graph if name.split(".")[0] == "accel"}
-    assert not [(n, m) for n in accel for m in graph[n] if m not in accel | tuner | {"cache"}], "accel: tuner + cache"
     visiting, done = set(), set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:

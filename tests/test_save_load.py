@@ -35,7 +35,6 @@ from tests.conftest import (
     indices_by_layer,
     logits,
     named_neuroada_layers,
-    needs_accelerators,
     tiny_llama,
 )
 
@@ -75,7 +74,6 @@ def test_model_card_names_the_method_and_the_base_model(trained_smollm2_adapter,
     assert f"base_model: {smollm2_path}" in card
 
 
-@needs_accelerators  # (the fresh process computes with them)
 def test_reload_in_a_fresh_process_reproduces_outputs_bit_exactly(trained_smollm2_adapter, smollm2_path, tmp_path):
     model, adapter_dir = trained_smollm2_adapter
     tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -237,8 +235,8 @@ def test_loading_indices_outside_the_layer_names_the_layer(tmp_path, token_batch
 def test_loading_an_index_repeated_where_selection_never_repeats_one_is_refused(
     tmp_path, token_batch, config, attribute, repeat, message
 ):
-    """A repeated column would make a merge differ from the unmerged adapter; a repeated neuron, two threads of the
-    in-place path write the same entries."""
+    """A repeated column would make a merge differ from the unmerged adapter; a repeated neuron, a merge write the same
+    entries twice."""
     get_peft_model(tiny_llama(), config).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     layer = "base_model.model.model.layers.0.self_attn.q_proj"

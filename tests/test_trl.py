@@ -107,7 +107,7 @@ def test_dpo_trainer_reads_its_reference_from_the_disabled_adapter_unchanged_by_
     # 0 at two of three steps on an AVX2 EPYC. In float32, the model's dtype, deltas of ~1e-6 move the outputs on
     # every CPU: both are measured there, with accelerate's autocast wrapper taken off the forward.
     float32_model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    policy = completion_log_probs(float32_model, batch)  # the in-place path: the deltas added into the weights
+    policy = completion_log_probs(float32_model, batch)  # the merged copy: the deltas added into a copy of the weights
     with float32_model.disable_adapter():
         reference = completion_log_probs(float32_model, batch)
     assert torch.equal(reference, base)  # the weights restored bit for bit after the policy's visits

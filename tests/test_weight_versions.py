@@ -26,15 +26,14 @@ def adapted_linear(dtype: torch.dtype, adapters: int, fan_in_fan_out: bool = Fal
     return model
 
 
-# Every way the adapter writes into the weight: the C entry patch (one adapter, float32 or bf16), torch's row-wise
-# scatter (float64, or several adapters), writes at storage positions (bf16 and several adapters, Conv1D's transposed
-# weight), and merge + unmerge.
+# Visits (which read the weight) and merge + unmerge (which write it at storage positions), in several dtypes, with
+# one or two adapters, on Conv1D's transposed weight too.
 PATHS = {
-    "c-patch-float32": (torch.float32, 1, False),
-    "c-patch-bfloat16": (torch.bfloat16, 1, False),
-    "row-wise-float64": (torch.float64, 1, False),
-    "row-wise-two-adapters": (torch.float32, 2, False),
-    "storage-bfloat16-two-adapters": (torch.bfloat16, 2, False),
+    "float32": (torch.float32, 1, False),
+    "bfloat16": (torch.bfloat16, 1, False),
+    "float64": (torch.float64, 1, False),
+    "two-adapters": (torch.float32, 2, False),
+    "bfloat16-two-adapters": (torch.bfloat16, 2, False),
     "conv1d-two-adapters": (torch.float32, 2, True),
 }
 

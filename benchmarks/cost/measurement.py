@@ -1,4 +1,5 @@
-"""Measuring one variant in a fresh process: memory in one, time in another, the paired floor alongside."""
+"""Measuring one variant in a fresh process: memory in one, time in another (training steps, no-grad forwards, greedy
+generation), the paired floor alongside."""
 
 from __future__ import annotations
 
@@ -40,16 +41,17 @@ class ModelDefaults:
     warmup: int
     steps: int
     infer_steps: int
+    gen_steps: int
 
 
 MODEL_DEFAULTS = {
-    "smollm2": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3),
-    "smollm2-random": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3),
-    "large-random": ModelDefaults(batch=1, seq_len=256, warmup=2, steps=3, infer_steps=3),
-    "llama-1b-random": ModelDefaults(batch=4, seq_len=512, warmup=3, steps=5, infer_steps=3),
-    "tiny": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
-    "qwen3-moe": ModelDefaults(batch=1, seq_len=256, warmup=1, steps=3, infer_steps=2),
-    "tiny-moe": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1),
+    "smollm2": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3, gen_steps=3),
+    "smollm2-random": ModelDefaults(batch=1, seq_len=512, warmup=3, steps=5, infer_steps=3, gen_steps=3),
+    "large-random": ModelDefaults(batch=1, seq_len=256, warmup=2, steps=3, infer_steps=3, gen_steps=1),
+    "llama-1b-random": ModelDefaults(batch=4, seq_len=512, warmup=3, steps=5, infer_steps=3, gen_steps=3),
+    "tiny": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1, gen_steps=1),
+    "qwen3-moe": ModelDefaults(batch=1, seq_len=256, warmup=1, steps=3, infer_steps=2, gen_steps=1),
+    "tiny-moe": ModelDefaults(batch=1, seq_len=32, warmup=1, steps=2, infer_steps=1, gen_steps=1),
 }
 
 
@@ -79,6 +81,9 @@ class RunSpec:
     quantize: str | None = None  # a key of variants.QUANTIZATIONS: every variant on the same quantized base
     allocator: str = "default"  # "keep": glibc keeps freed memory in the timing process (`meters.keep_freed_memory`)
     optimizer: str = "adamw"  # a key of OPTIMIZERS
+    gen_steps: int = 0  # timed greedy generations (0: none)
+    gen_prompt: int = 8  # prompt tokens of each generation (batch 1)
+    gen_tokens: int = 32  # new tokens of each generation, one per forward with the KV cache
 
 
 @dataclass
@@ -92,18 +97,27 @@ class Result:
     step_cpu_s: float = float("nan")
     infer_wall_s: float = float("nan")
     infer_cpu_s: float = float("nan")
+    gen_wall_s: float = float("nan")  # one whole generation: the prompt's forward and `gen_tokens` decoding steps
+    gen_cpu_s: float = float("nan")
+    gen_tokens: int = 0
     peak_growth_bytes: int = 0
     memory_source: str = ""
     saved_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     error: str | None = None
-    # Every timed call, pooled over rounds: "step_wall", "step_cpu", "infer_wall", "infer_cpu" -> seconds.
+    # Every timed call, pooled over rounds: "step_wall", "step_cpu", "infer_wall", "infer_cpu", "gen_wall", "gen_cpu"
+    # (and the paired floor's as "floor_step_wall", ...) -> seconds.
     samples: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def accounted_bytes(self) -> int:
         return self.saved_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def tokens_per_s(self, clock: str = "wall") -> float:
+        """New tokens per second of greedy generation on `clock` (NaN when not measured)."""
+        seconds = getattr(self, f"gen_{clock}_s")
+        return self.gen_tokens / seconds if self.gen_tokens and seconds == seconds else float("nan")
 
     def add_samples(self, samples: dict[str, list[float]]) -> None:
         """Pool another round's timings and refresh the medians."""
@@ -113,8 +127,8 @@ class Result:
                 setattr(self, f"{key}_s", statistics.median(self.samples[key]))
 
     def paired_ratio(self, name: str, clock: str) -> float:
-        """Median over adjacent pairs of this variant's `name` ("step"/"infer") time over the same process's floor
-        (adapters disabled), timed alternately so both see the same machine load; NaN when not measured."""
+        """Median over adjacent pairs of this variant's `name` ("step"/"infer"/"gen") time over the same process's
+        floor (adapters disabled), timed alternately so both see the same machine load; NaN when not measured."""
         ours, floor = self.samples.get(f"{name}_{clock}", []), self.samples.get(f"floor_{name}_{clock}", [])
         if not floor:
             return float("nan")
@@ -133,9 +147,8 @@ def resolve_device(name: str) -> torch.device:
 @contextmanager
 def adapters_disabled(model: PeftModel) -> Iterator[None]:
     """The frozen model inside a peft model: peft's `disable_adapter`, with every tuner layer's forward replaced by its
-    base layer's, so the floor pays none of an adapter layer's own work. A disabled NeuroAda layer reads its weight
-    under the weight's lock (exact beside other threads' in-place visits; with gradients as a custom autograd function,
-    measured at 3% of a SmolLM2 step), which is not the frozen model's cost.
+    base layer's, so the floor pays none of an adapter layer's own work (a disabled adapter layer still runs its own
+    forward's checks and dispatch before the base layer's, which is not the frozen model's cost).
 
     Keeps which parameters train: leaving `disable_adapter` makes the active adapters trainable again, which would
     turn a frozen-adapter variant into a trained one after its first paired floor step."""
@@ -183,6 +196,9 @@ class Session:
         generator = torch.Generator().manual_seed(spec.seed)
         ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq_len), generator=generator)
         self.input_ids = ids.to(self.device)
+        prompt = torch.randint(0, model.config.vocab_size, (1, spec.gen_prompt), generator=generator)
+        self.prompt_ids = prompt.to(self.device)
+        self.gen_tokens = spec.gen_tokens
         fault_in(model)
         gc.collect()
         self.baseline = torch.cuda.memory_allocated() if self.on_cuda else rss_bytes()
@@ -217,8 +233,25 @@ class Session:
         """The base model's forward: run with the adapters disabled (`setups`)."""
         self.infer()
 
+    def gen(self) -> None:
+        """Greedy generation, batch 1, adapters unmerged: transformers' `generate` runs the prompt, then one forward
+        per new token with the KV cache, exactly `gen_tokens` of them (no stop at an end-of-sequence token)."""
+        self.model.generate(
+            input_ids=self.prompt_ids,
+            attention_mask=torch.ones_like(self.prompt_ids),
+            max_new_tokens=self.gen_tokens,
+            min_new_tokens=self.gen_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    def floor_gen(self) -> None:
+        """The base model's generation: run with the adapters disabled (`setups`)."""
+        self.gen()
+
     def calls(self, name: str) -> dict[str, Callable[[], None]]:
-        """The calls to time for `name` ("step" or "infer"): the variant's, plus the in-process floor's if any."""
+        """The calls to time for `name` ("step", "infer" or "gen"): the variant's, plus the in-process floor's if
+        any."""
         calls = {name: getattr(self, name)}
         if self.paired:
             calls[f"floor_{name}"] = getattr(self, f"floor_{name}")
@@ -281,8 +314,8 @@ def measure_memory(spec: RunSpec) -> Result:
 
 
 def measure_time(spec: RunSpec) -> Result:
-    """Training-step and no-grad forward times, after warmup, with glibc's default allocator or one that keeps freed
-    memory (`spec.allocator`)."""
+    """Training-step, no-grad forward and greedy generation times, after warmup, with glibc's default allocator or one
+    that keeps freed memory (`spec.allocator`)."""
     if spec.allocator == "keep":
         keep_freed_memory()
     session = Session(spec)
@@ -294,6 +327,11 @@ def measure_time(spec: RunSpec) -> Result:
         session.model.eval()
         session.warm_up("infer")
         result.add_samples(session.timed("infer", spec.infer_steps))
+    if spec.gen_steps:
+        session.model.eval()
+        session.warm_up("gen")
+        result.gen_tokens = spec.gen_tokens
+        result.add_samples(session.timed("gen", spec.gen_steps))
     return result
 
 
@@ -328,6 +366,7 @@ def run_all(specs: list[RunSpec], rounds: int) -> list[Result]:
             if timing.error:
                 result.error = timing.error
             else:
+                result.gen_tokens = timing.gen_tokens
                 result.add_samples(timing.samples)
             _progress(result, f"timing round {round_index + 1}/{rounds}")
     return results

@@ -198,24 +198,20 @@ def peft_variant(model: PreTrainedModel, config, label: str) -> Setup:
     return peft_model, [p for p in peft_model.parameters() if p.requires_grad], label
 
 
-def neuroada(k: int, inplace: bool = True) -> Callable[[PreTrainedModel], Setup]:
-    """NeuroAda on its default in-place path, or (inplace False) on the non-mutating path that threads, shared
-    weights and inference tensors fall back to."""
+def neuroada(k: int) -> Callable[[PreTrainedModel], Setup]:
+    """NeuroAda with k deltas per neuron, on its default forward path."""
 
     def setup(model: PreTrainedModel) -> Setup:
         config = NeuroAdaConfig(
-            k=k,
-            target_modules=module_targets(model),
-            target_parameters=expert_parameters(model) or None,
-            inplace_forward=inplace,
+            k=k, target_modules=module_targets(model), target_parameters=expert_parameters(model) or None
         )
-        return peft_variant(model, config, f"neuroada k={k}" + ("" if inplace else ", non-mutating"))
+        return peft_variant(model, config, f"neuroada k={k}")
 
     return setup
 
 
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
-    """NeuroAda k=20 with its deltas frozen: the in-place path's own cost (forward and input gradient through
+    """NeuroAda k=20 with its deltas frozen: the adapted layers' own cost (forward and input gradient through
     W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
     peft_model, _, _ = neuroada(BUDGET_K)(model)
     return frozen_floor(peft_model)[0], [], f"neuroada k={BUDGET_K}, deltas frozen"
@@ -310,7 +306,6 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "neuroada-k1": neuroada(1),
     "neuroada-k20": neuroada(BUDGET_K),
     "neuroada-k20-frozen": neuroada_frozen,
-    "neuroada-k20-nonmutating": neuroada(BUDGET_K, inplace=False),
     "lora-budget": lora(None),
     "lora-r8": lora(8),
     "shira-budget": shira(),

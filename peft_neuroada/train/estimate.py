@@ -25,9 +25,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from ..budget import lora_rank_for_k, neuroada_parameter_count, targeted_shapes
+from ..targets import targeted_modules
 from ..tuner.config import DTYPES, NeuroAdaConfig
 from ..tuner.index_storage import to_buffer
-from ..tuner.model import targeted_modules
 
 METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.ESTIMATE_METHODS spells them out too
 DEVICES = ("cuda", "cpu")  # where AdamW steps: its temporaries differ (Estimator._estimate)

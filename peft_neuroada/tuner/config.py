@@ -77,7 +77,6 @@ class NeuroAdaConfig(PeftConfig):
     init_weights: bool = _field(True, "Zero deltas, so the model starts as its base (False: random ones, for tests).")
     bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
     delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
-    inplace_forward: bool = _field(True, "Add the deltas into the frozen weight per matmul, restored exactly.")
     modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
 
     def __post_init__(self) -> None:
@@ -130,7 +129,6 @@ class NeuroAdaConfig(PeftConfig):
                 self.delta_dtype is None or (isinstance(self.delta_dtype, str) and self.delta_dtype in DTYPES),
                 f"one of {sorted(DTYPES)} or None",
             ),
-            "inplace_forward": (isinstance(self.inplace_forward, bool), flag),
             "modules_to_save": (_is_none_or_names(self.modules_to_save, list), "None or a list of module names"),
         }
         for name, (ok, what) in accepted.items():

@@ -131,19 +131,18 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
     @contextmanager
     def _deltas_added(self, adapters: list[str]):
         """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
-        read); the parameter itself is not written. The accelerator's `weight_writes` (the plugin's weight lock) keeps
-        concurrent calls from parametrizing it twice; the plain path, as peft's LoRA, serves one call at a time."""
+        read); the parameter itself is not written. Registering the parametrization changes the experts module for the
+        call, so, as peft's LoRA `ParamWrapper`, a wrapper serves one call at a time."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
         added = _DeltasAdded(self._transposed(), placements, deltas)
         base, name = self.get_base_layer(), self.parameter_name
-        with self.accelerator.weight_writes(self):
-            parametrize.register_parametrization(base, name, added, unsafe=True)
-            try:
-                with parametrize.cached():
-                    yield
-            finally:
-                parametrize.remove_parametrizations(base, name, leave_parametrized=False)
+        parametrize.register_parametrization(base, name, added, unsafe=True)
+        try:
+            with parametrize.cached():
+                yield
+        finally:
+            parametrize.remove_parametrizations(base, name, leave_parametrized=False)
 
     def __repr__(self) -> str:
         text = super().__repr__()

@@ -1,9 +1,7 @@
 """NeuroAda layers: a frozen linear layer plus k trainable deltas per neuron, `y = base(x) + (P ⊙ Θ) x`.
 
-The forward is the base layer's own output plus the sparse bypass (`SparseBypass`, below); the deltas' gradient is
-the dense weight gradient sampled at their positions, never formed. A layer computes through its `accelerator`: the
-`Accelerator` here is that plain path, and a faster one (peft_neuroada's C/Triton kernels and in-place merged matmul)
-can take its place without the layer changing.
+The layers hold the adapters' state (deltas and index buffers), add and remove adapters, and merge and unmerge them
+exactly; how the output and gradients are computed is forward.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from accelerate.hooks import AlignDevicesHook
@@ -22,8 +20,8 @@ from peft.utils import resolve_quantization_backend
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
-from . import products
 from .config import DTYPES, NeuroAdaConfig
+from .forward import adapted_linear
 from .index_storage import from_buffer, to_buffer
 from .placement import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
@@ -42,66 +40,6 @@ FULL_PRECISION_HINT = (
 )
 # The containers of an adapter's tensors: the layer reads them, it never calls them.
 _CONTAINERS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
-
-
-def _flatten(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
-
-
-class SparseBypass(torch.autograd.Function):
-    """`(P ⊙ Θ) x` for one adapter. Backward samples the dense weight gradient at the placement (`sampled_grad`) and
-    keeps the input for it; nothing when the delta is frozen."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
-        out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
-        ctx.save_for_backward(x if ctx.needs_input_grad[3] else None, delta)
-        ctx.placement, ctx.input_shape, ctx.input_dtype = placement, x.shape, x.dtype
-        return out.view(*x.shape[:-1], out_features)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, delta = ctx.saved_tensors
-        grad2d, placement = _flatten(grad_out), ctx.placement
-        grad_x = grad_delta = None
-        if ctx.needs_input_grad[0]:
-            d_in = ctx.input_shape[-1]
-            grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in, ctx.input_dtype)
-            grad_x = grad_x.view(ctx.input_shape)
-        if ctx.needs_input_grad[3]:
-            grad_delta = products.sampled_grad(_flatten(x), grad2d, placement.cols, placement.rows).to(delta.dtype)
-        return grad_x, None, None, grad_delta
-
-
-def sparse_bypass(x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
-    """`(P ⊙ Θ) x` alone, for adding to the base layer's output."""
-    if torch.is_grad_enabled():
-        return SparseBypass.apply(x, placement, out_features, delta)
-    out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
-    return out.view(*x.shape[:-1], out_features)
-
-
-class Accelerator:
-    """How a layer computes its output and guards writes into its weight. This class is the plain path, pure torch;
-    an accelerator overrides these three methods (and nothing else reaches it)."""
-
-    def frozen_output(self, layer: NeuroAdaLayer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The base layer's output."""
-        return layer.base_layer(x, *args, **kwargs)
-
-    def adapted_output(
-        self, layer: NeuroAdaLayer, x: torch.Tensor, adapters: Sequence[str], *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """`base(x) + Σ (P ⊙ Θ) x` over `adapters` (present in the layer)."""
-        result = layer.base_layer(x, *args, **kwargs)
-        for name in adapters:
-            bypass = sparse_bypass(x, layer.placement(name), layer.out_features, layer.neuroada_delta[name])
-            result = result + bypass.to(result.dtype)
-        return result
-
-    def weight_writes(self, layer: NeuroAdaLayer) -> AbstractContextManager:
-        """Held while a merge or unmerge writes the layer's weight."""
-        return nullcontext()
 
 
 def unreadable_weight(base: nn.Module) -> str | None:
@@ -178,8 +116,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
-    other_param_names = ("neuroada_indices", "neuroada_rows", "inplace_forward", "init_weights")
-    accelerator: ClassVar[Accelerator] = Accelerator()
+    other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights")
 
     def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
@@ -187,7 +124,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.neuroada_delta = nn.ParameterDict({})
         self.neuroada_indices = BufferDict({}, persistent=True)
         self.neuroada_rows = BufferDict({}, persistent=True)
-        self.inplace_forward: dict[str, bool] = {}
         self.init_weights: dict[str, bool] = {}
         # Per merged adapter, what unmerge writes back: the entries it overwrote, or the quantized weight it replaced.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
@@ -262,7 +198,6 @@ class NeuroAdaLayer(BaseTunerLayer):
             dtype = torch.float32
         self.init_weights[adapter_name] = config.init_weights
         self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
-        self.inplace_forward[adapter_name] = config.inplace_forward
         self._move_adapter_to_device_of_base_layer(adapter_name)
         if config.delta_dtype is not None:
             self.neuroada_delta[adapter_name] = nn.Parameter(self.neuroada_delta[adapter_name].to(dtype))
@@ -341,7 +276,7 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         merged_before = len(self.merged_adapters)
         try:
-            with self.accelerator.weight_writes(self), self._weight_writes(weight):
+            with self._weight_writes(weight):
                 for name in names:
                     self._merge_one(name, safe_merge)
         except BaseException:
@@ -402,15 +337,14 @@ class NeuroAdaLayer(BaseTunerLayer):
         """Unmerge the latest merged adapters until `count` remain: all or nothing on a float weight; on a quantized
         one each step restores one snapshot, then forgets it, so the layer stays as `merged_adapters` says."""
         if self._quantized_originals:
-            with self.accelerator.weight_writes(self):
-                while len(self.merged_adapters) > count:
-                    self._quantized_originals[self.merged_adapters[-1]]()
-                    del self._quantized_originals[self.merged_adapters.pop()]
+            while len(self.merged_adapters) > count:
+                self._quantized_originals[self.merged_adapters[-1]]()
+                del self._quantized_originals[self.merged_adapters.pop()]
             return
         weight = self.weight_out_in()
         undone = []
         try:
-            with self.accelerator.weight_writes(self), self._weight_writes(weight):
+            with self._weight_writes(weight):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
                     placement, originals = self._merged_entries(name, weight)
@@ -419,7 +353,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                     del self._merge_originals[name]
                     self.merged_adapters.pop()
         except BaseException:
-            with self.accelerator.weight_writes(self), self._weight_writes(weight):
+            with self._weight_writes(weight):
                 for name, placement, originals, merged in reversed(undone):
                     write_placed_(weight, placement, merged)
                     self._merge_originals[name] = (placement, originals)
@@ -450,18 +384,21 @@ class Linear(nn.Module, NeuroAdaLayer):
         if self.disable_adapters:  # before adapter_names, as LoRA: `disable_adapter()` serves the base model
             if self.merged:
                 self.unmerge()
-            return self.accelerator.frozen_output(self, x, *args, **kwargs)
+            return self.base_layer(x, *args, **kwargs)
         if adapter_names is not None:
             return self._mixed_batch_forward(x, adapter_names, *args, **kwargs)
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
-            return self.accelerator.frozen_output(self, x, *args, **kwargs)
+            return self.base_layer(x, *args, **kwargs)
         return self._adapted(x, active, *args, **kwargs)
 
     def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
         offloaded = self.offloaded_containers()
         with onloaded(offloaded) if offloaded else nullcontext():
-            return self.accelerator.adapted_output(self, x, adapters, *args, **kwargs)
+            placements = [self.placement(name) for name in adapters]
+            deltas = [self.neuroada_delta[name] for name in adapters]
+            base, weight = self.get_base_layer(), self.weight_out_in()
+            return adapted_linear(base, weight, x, placements, deltas, *args, **kwargs)
 
     def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list[str], *args: Any, **kwargs: Any):
         """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""
@@ -475,7 +412,7 @@ class Linear(nn.Module, NeuroAdaLayer):
                 "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
             )
         if not adapter_names:  # no rows: the base layer's empty output, shaped and typed as LoRA's
-            return self.accelerator.frozen_output(self, x, *args, **kwargs)
+            return self.base_layer(x, *args, **kwargs)
         rows_of: dict[str, list[int]] = {}
         for row, name in enumerate(adapter_names):
             rows_of.setdefault(name, []).append(row)
@@ -486,7 +423,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             if name in self.neuroada_delta:
                 out = self._adapted(sub_batch, [name], *args, **kwargs)
             else:
-                out = self.accelerator.frozen_output(self, sub_batch, *args, **kwargs)
+                out = self.base_layer(sub_batch, *args, **kwargs)
             if result is None:
                 result = out.new_empty((len(x), *out.shape[1:]))
             result.index_copy_(0, index, out.to(result.dtype))

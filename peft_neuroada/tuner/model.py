@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from peft.tuners.tuners_utils import (
     BaseTuner,
     BaseTunerLayer,
-    _maybe_include_all_linear_layers,
-    check_target_module_exists,
 )
 from peft.utils import get_quantization_kwargs, resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
@@ -30,6 +27,7 @@ from .config import (
     default_targets,
 )
 from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
+from .gradient_selection import select_by_gradient
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
 
 
@@ -59,9 +57,6 @@ class NeuroAdaModel(BaseTuner):
     prefix: str = PREFIX
     tuner_layer_cls = NeuroAdaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
-    # The layer classes it creates (the plugin puts its own subclasses here).
-    linear_cls: ClassVar[type[Linear]] = Linear
-    param_wrapper_cls: ClassVar[type[ParamWrapper]] = ParamWrapper
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """Defaults: the paper's projections the model has, its experts' included."""
@@ -84,9 +79,6 @@ class NeuroAdaModel(BaseTuner):
                         f"{sorted(other.target_parameters)}. Give it the same target_parameters."
                     )
 
-    model_tags: ClassVar[list[str]] = ["neuroada"]  # end up in the model card save_pretrained / push_to_hub write
-    select_by_gradient_name: ClassVar[str] = "select_by_gradient"
-
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         """peft's, then which layers share their weight with other modules, after every adapter (the first one's
         `_post_injection_hook` alone would miss layers `add_adapter` and `load_adapter` make)."""
@@ -95,11 +87,11 @@ class NeuroAdaModel(BaseTuner):
 
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         if hasattr(model, "add_model_tags"):
-            model.add_model_tags(self.model_tags)
+            model.add_model_tags(["neuroada"])  # in the model card save_pretrained and push_to_hub write
         if config.selection == "gradient" and not config.inference_mode:
             warnings.warn(
-                f"Adapter '{adapter_name}' uses selection='gradient': its inputs are chosen by magnitude until you "
-                f"call {self.select_by_gradient_name}(model, calibration_batches) before training.",
+                f"Adapter '{adapter_name}' uses selection='gradient': inputs are chosen by magnitude until you call "
+                f"{select_by_gradient.__module__}.select_by_gradient(model, calibration_batches) before training.",
                 stacklevel=2,
             )
 
@@ -117,18 +109,28 @@ class NeuroAdaModel(BaseTuner):
         if isinstance(target, NeuroAdaLayer) and getattr(target, "parameter_name", None) == parameter_name:
             target.update_layer(adapter_name, config, layer_name=current_key)
             return
-        if parameter_name is not None:
-            new_module = self.param_wrapper_cls(target, adapter_name, parameter_name, config, layer_name=current_key)
-        else:
-            new_module = self._create_new_module(config, adapter_name, target, current_key, self)
+        new_module = self._create_new_module(config, adapter_name, target, current_key, self, parameter_name)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
     @classmethod
     def _create_new_module(
-        cls, config: NeuroAdaConfig, adapter_name: str, target: nn.Module, current_key: str, tuner: BaseTuner
-    ) -> Linear:
+        cls,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        target: nn.Module,
+        current_key: str,
+        tuner: BaseTuner,
+        parameter_name: str | None = None,
+    ) -> NeuroAdaLayer:
+        if parameter_name is not None:
+            return ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
+        return Linear(target, adapter_name, config, **cls._linear_kwargs(config, target, current_key, tuner))
+
+    @staticmethod
+    def _linear_kwargs(config: NeuroAdaConfig, target: nn.Module, current_key: str, tuner: BaseTuner) -> dict:
+        """What a `Linear` around `target` is built with; refuses a module NeuroAda cannot adapt."""
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         kwargs = get_quantization_kwargs(tuner)
         linear = isinstance(base, (nn.Linear, Conv1D))
@@ -146,9 +148,7 @@ class NeuroAdaModel(BaseTuner):
                 stacklevel=2,
             )
             config.fan_in_fan_out = fan_in_fan_out  # as LoRA does: the saved config then loads without the warning
-        return cls.linear_cls(
-            target, adapter_name, config, fan_in_fan_out=fan_in_fan_out, layer_name=current_key, **kwargs
-        )
+        return {"fan_in_fan_out": fan_in_fan_out, "layer_name": current_key, **kwargs}
 
     def _check_merge_allowed(self) -> None:
         super()._check_merge_allowed()
@@ -200,26 +200,6 @@ class NeuroAdaModel(BaseTuner):
         # An explicit delta_dtype is the user's choice and must survive peft's float32 upcast.
         if self.peft_config[adapter_name].delta_dtype is None:
             super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
-
-
-def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Module]]:
-    """The modules `config` adapts in `model`, resolving default and "all-linear" targets as injection does."""
-    config = copy.deepcopy(config)
-    if config.target_modules is None:
-        config.target_modules = default_targets(getattr(getattr(model, "config", None), "model_type", None))
-    config = _maybe_include_all_linear_layers(config, model)
-    return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
-
-
-def targeted_parameters(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Parameter]]:
-    """The parameters `config.target_parameters` names in `model`, matched as peft matches them (by full name or
-    name suffix), under their names without peft's wrapper levels."""
-    targets = config.target_parameters or ()
-    return [
-        (name, param)
-        for name, param in _parameters_without_wrappers(model)
-        if any(name == target or name.endswith(f".{target}") for target in targets)
-    ]
 
 
 def expert_projections(model: nn.Module) -> list[tuple[str, str]]:

@@ -7,21 +7,12 @@ import torch
 
 class Placement:
     """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
-    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). What backward derives from the columns
-    is computed once per placement (`columns_read`)."""
+    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None)."""
 
-    __slots__ = ("cols", "rows", "_columns_read")
+    __slots__ = ("cols", "rows")
 
     def __init__(self, cols: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.cols, self.rows = cols, rows
-        self._columns_read: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def columns_read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sorted distinct input columns the deltas read, and `cols` as positions among them (in cols' dtype, so
-        a kept re-indexing costs no more memory than the index)."""
-        if self._columns_read is None:
-            self._columns_read = unique_columns(self.cols)
-        return self._columns_read
 
     def copy(self, device: torch.device | None = None) -> Placement:
         """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
@@ -30,6 +21,7 @@ class Placement:
 
 
 def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted distinct input columns `cols` reads, and `cols` as positions among them (in cols' dtype)."""
     used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
     return used, local.to(cols.dtype).view(cols.shape)
 

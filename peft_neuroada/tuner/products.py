@@ -1,5 +1,7 @@
-"""The three products in plain torch ops: the reference, and the fallback on every device (traceable by
-`torch.compile`, deterministic where torch is): k passes of gathers for small k, sparse kernels above.
+"""The three sparse products of the bypass and the deltas' gradient, one torch kernel each: `sampled_grad` (the dense
+weight gradient at the placement, SDDMM), `bypass_forward` (`(P ⊙ Θ) x`, CSR times dense) and `bypass_input_grad` (its
+transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`) they run as k passes
+of gathers; `sampled_grad` does so for small k too, where that is faster (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (doc
 
 
 def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> None:
-    """IndexError for out-of-range indices, as the C kernels raise. Eager CPU only: on CUDA the check would
-    synchronize, under torch.compile break the graph (placements are checked when a layer is built)."""
+    """IndexError for out-of-range indices (the sparse kernels are built unchecked). Eager CPU only: on CUDA the check
+    would synchronize, under torch.compile break the graph (placements are checked when a layer is built)."""
     if cols.device.type != "cpu" or torch.compiler.is_compiling():
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
@@ -33,8 +35,13 @@ def _pattern(cols: Tensor, d_in: int, values: Tensor) -> Tensor:
     return torch.sparse_csr_tensor(offsets, flat, values.reshape(-1), size=(n, d_in), check_invariants=False)
 
 
-def _sparse_kernels_cover(t: Tensor, k: int) -> bool:
-    return k > COLUMN_LOOP_MAX_K and t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+def _sparse_kernels_cover(t: Tensor) -> bool:
+    return t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+
+
+def _float32(t: Tensor):
+    """Sparse kernels run in float32 (an autocast would hand them bfloat16, which CPU CSR kernels lack)."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
@@ -42,39 +49,39 @@ def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None)
     _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).float()
     n, k = cols.shape
-    if not _sparse_kernels_cover(x2d, k):
+    if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d):
         out = torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
         for j in range(k):
             out[:, j] = (x2d.index_select(1, cols[:, j]).float() * tuned).sum(0)
         return out
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, device=cols.device))
-    return torch.sparse.sampled_addmm(pattern, tuned.T, x2d.float(), beta=0.0).values().view(n, k)
+    with _float32(x2d):
+        return torch.sparse.sampled_addmm(pattern, tuned.T, x2d.float(), beta=0.0).values().view(n, k)
 
 
-def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int, out=None) -> Tensor:
+def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
     cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], d_out)
-    n, k = cols.shape
-    if _sparse_kernels_cover(x2d, k):
-        tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.float()), x2d.float().T).T
+    if _sparse_kernels_cover(x2d):
+        with _float32(x2d):
+            tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.float()), x2d.float().T).T
     else:
-        tuned = torch.zeros(x2d.shape[0], n, dtype=torch.float32, device=x2d.device)
-        for j in range(k):
+        tuned = torch.zeros(x2d.shape[0], cols.shape[0], dtype=torch.float32, device=x2d.device)
+        for j in range(cols.shape[1]):
             tuned += x2d.index_select(1, cols[:, j]).float() * delta[:, j].float()
-    if out is None and rows is None:
-        return tuned.to(x2d.dtype)
-    if out is None:
-        out = torch.zeros(x2d.shape[0], d_out, dtype=x2d.dtype, device=x2d.device)
-    return out.add_(tuned) if rows is None else out.index_add_(1, rows, tuned.to(out.dtype))
+    if rows is None:
+        return tuned
+    return torch.zeros(x2d.shape[0], d_out, device=x2d.device).index_add_(1, rows, tuned)
 
 
-def bypass_input_grad(
-    grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int, dtype: torch.dtype, out=None
-) -> Tensor:
+def bypass_input_grad(grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int) -> Tensor:
     cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, d_in, grad2d.shape[1])
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).float()
+    if _sparse_kernels_cover(grad2d):
+        with _float32(grad2d):
+            return (_pattern(cols, d_in, delta.float()).t() @ tuned.T).T
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=torch.float32, device=grad2d.device)
     for j in range(cols.shape[1]):
         grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].float())
-    return grad_x.to(dtype) if out is None else out.add_(grad_x)
+    return grad_x

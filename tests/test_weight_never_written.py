@@ -1,8 +1,13 @@
-"""The in-place fast path writes only into plain, frozen, dense weights that its layer alone holds. Every other weight
-takes the non-mutating path, which computes the same result and never writes into the weight; weights NeuroAda cannot
-even read (offloaded, meta) are refused with a clear error before the model changes."""
+"""Training and inference never write the base weight, on either path: the merged copy runs wherever
+`F.linear(x, W + P ⊙ Θ, b)` can stand in for the base layer's call, the bypass everywhere else, with the same result;
+a base whose weights cannot be written at all trains, evaluates and generates as an ordinary one. Weights NeuroAda
+cannot even read (offloaded, meta) are refused with a clear error before the model changes."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layers import Linear
+from peft_neuroada.tuner.forward import BYPASS_MAX_TOKENS, FEW_TOKENS, copy_refusal
 from tests.conftest import TINY_LLAMA_DISK_MAP, logits, neuroada_layers, tiny_llama
 
 
@@ -57,16 +63,16 @@ def in_shared_memory(base: nn.Linear) -> nn.Linear:
     return base.share_memory()  # other processes may read it: no lock of this process covers them
 
 
-# Each situation, what `FrozenLinear.refusal` must say about it (None: the in-place path runs), and the path taken.
+# Each situation, what `copy_refusal` says about it (None: the merged-copy path runs), and the path taken.
 SITUATIONS = {
-    "plain": (plain, None, "in place"),
-    "tensor-subclass": (subclass_weight, "the weight is a Tagged", "general"),
-    "view-into-larger-buffer": (view_into_a_larger_buffer, "a view into a larger buffer", "direct"),
-    "trainable-weight": (trainable_weight, "the base layer's weight trains", "general"),
-    "trainable-bias": (trainable_bias, None, "in place"),
-    "forward-hook": (hooked, "forward hooks", "general"),
-    "backward-hook": (backward_hooked, "backward hooks", "general"),
-    "shared-memory": (in_shared_memory, "shared memory", "direct"),
+    "plain": (plain, None, "copy"),
+    "tensor-subclass": (subclass_weight, "not a dense tensor", "bypass"),
+    "view-into-larger-buffer": (view_into_a_larger_buffer, None, "copy"),
+    "trainable-weight": (trainable_weight, "not a frozen floating-point tensor", "bypass"),
+    "trainable-bias": (trainable_bias, None, "copy"),
+    "forward-hook": (hooked, "hooks", "bypass"),
+    "backward-hook": (backward_hooked, "hooks", "bypass"),
+    "shared-memory": (in_shared_memory, None, "copy"),
 }
 
 
@@ -81,20 +87,26 @@ def dense_reference(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, weight, layer.get_base_layer().bias)
 
 
-def path_taken(layer: Linear) -> str:
-    return layer.frozen().path().name
+def refusal_of(layer: Linear, tokens: int = 64) -> str | None:
+    return copy_refusal(layer.get_base_layer(), layer.weight_out_in(), torch.zeros(tokens, layer.in_features))
 
 
 @pytest.mark.parametrize(("situation", "refusal", "path"), SITUATIONS.values(), ids=SITUATIONS.keys())
-def test_the_fast_path_runs_only_where_nothing_refuses_it(situation, refusal, path):
-    layer = make_layer(situation)
-    reason = layer.frozen().path().reason
+def test_the_copy_path_runs_only_where_nothing_refuses_it(situation, refusal, path):
+    reason = refusal_of(make_layer(situation))
     assert reason == refusal if refusal is None else refusal in reason
-    assert path_taken(layer) == path
+
+
+def test_few_tokens_without_gradients_take_the_bypass_and_a_batch_the_copy():
+    layer = make_layer(plain)
+    with torch.no_grad():
+        assert refusal_of(layer, tokens=BYPASS_MAX_TOKENS) == FEW_TOKENS
+        assert refusal_of(layer, tokens=BYPASS_MAX_TOKENS + 1) is None
+    assert refusal_of(layer, tokens=1) is None  # with gradients: the copy, as in training
 
 
 @pytest.mark.parametrize(("situation", "refusal", "path"), SITUATIONS.values(), ids=SITUATIONS.keys())
-def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(situation, refusal, path):
+def test_every_path_computes_the_adapted_layer_and_never_writes_the_weight(situation, refusal, path):
     layer = make_layer(situation)
     weight = layer.get_base_layer().weight
     before, version = weight.detach().clone(), weight._version
@@ -102,9 +114,7 @@ def test_every_path_computes_the_adapted_layer_and_leaves_the_weight_as_it_was(s
     out = layer(x)
     torch.testing.assert_close(out, dense_reference(layer, x), rtol=1e-5, atol=1e-5)
     out.square().sum().backward()
-    assert torch.equal(weight.detach(), before)
-    if refusal is not None:
-        assert weight._version == version  # never written, not even restored
+    assert torch.equal(weight.detach(), before) and weight._version == version
 
 
 HOOKS = {
@@ -140,14 +150,13 @@ def test_a_trainable_base_weight_gets_its_dense_gradient():
 
 
 def test_a_model_built_in_inference_mode_generates_merges_and_unmerges():
-    """Inference tensors refuse in-place writes outside inference mode: generation takes the non-mutating path, and
-    merging writes inside inference mode."""
+    """Inference tensors refuse in-place writes outside inference mode: generation only reads them, and merging writes
+    inside inference mode."""
     with torch.inference_mode():
         frozen_base = tiny_llama()
     model = get_peft_model(frozen_base, NeuroAdaConfig(k=2, init_weights=False))
     reference = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
     reference.load_state_dict(model.state_dict())
-    assert all("inference tensor" in layer.frozen().path().reason for layer in neuroada_layers(model))
     tokens = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         generated = model.generate(input_ids=tokens, max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -191,3 +200,40 @@ def test_a_model_on_the_meta_device_is_refused_naming_its_layers():
         model = tiny_llama()
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj', .*: it is on the meta device"):
         get_peft_model(model, NeuroAdaConfig(k=1))
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READ_ONLY_RUN = """
+import numpy, torch, peft_neuroada
+from peft import get_peft_model
+from peft_neuroada import NeuroAdaConfig
+from tests.conftest import tiny_llama
+
+def run(read_only):
+    base = tiny_llama()
+    if read_only:  # every targeted weight mapped from a file in mode "r": a write would end the process
+        for i, (name, module) in enumerate(base.named_modules()):
+            if name.endswith("_proj"):
+                numpy.save(f"{folder}/{i}.npy", module.weight.detach().numpy())
+                array = numpy.load(f"{folder}/{i}.npy", mmap_mode="r")
+                module.weight = torch.nn.Parameter(torch.from_numpy(array), requires_grad=False)
+    model = get_peft_model(base, NeuroAdaConfig(k=2, init_weights=False))
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        evaluated = model(tokens).logits
+        generated = model.generate(input_ids=tokens[:1, :4], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return evaluated, generated
+
+(ordinary, ordinary_text), (read_only, read_only_text) = run(False), run(True)
+assert torch.equal(ordinary, read_only) and torch.equal(ordinary_text, read_only_text)
+print("same")
+"""
+
+
+def test_a_base_whose_weights_cannot_be_written_trains_evaluates_and_generates_as_an_ordinary_one(tmp_path):
+    script = f"folder = {str(tmp_path)!r}\n{READ_ONLY_RUN}"
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "same", run.stderr[-2000:]

@@ -1,0 +1,190 @@
+"""How a NeuroAda linear layer computes `y = W x + b + Σ (P ⊙ Θ) x`: everything the forward and backward do.
+
+Two paths, both pure torch, neither writing the base weight:
+
+* **merged copy** (`MergedCopyLinear`): one matmul on a transient copy `W + Σ P ⊙ Θ` (the deltas rounded into the
+  weight's dtype, as a merge and the official code round them). Backward makes the copy again instead of keeping it:
+  the input gradient is the frozen layer's own matmul, the deltas' gradient the dense weight gradient sampled at their
+  positions, never formed. It costs one write of the weight per call, which a training batch amortises.
+* **bypass** (`sparse_bypass`): the base layer's own output plus `(P ⊙ Θ) x`, one sparse product each way. It serves
+  what a copy cannot (a quantized, offloaded, sharded or hooked base layer, extra arguments, an autocast narrower than
+  the weight) and few tokens at a time without gradients (decoding), where a copy of the weight would cost more than
+  the product it replaces (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import torch.nn.modules.module as module_hooks
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from . import products
+from .placement import Placement, placed_entries, positions, unique_columns
+
+# Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
+BYPASS_MAX_TOKENS = 32
+# Backward keeps only the input columns the deltas read when they are at most this share of the input.
+COMPACT_INPUT_MAX_SHARE = 0.5
+FEW_TOKENS = "few tokens without gradients: the bypass costs less than a copy of the weight"
+_LINEAR_MODULES = (nn.Linear, Conv1D)
+_PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
+# torch's registries of global module hooks, the one private torch name the tuner reads (docs/design.md): the copy
+# path skips the base layer's call, so it must know whether a global hook would have seen it.
+_GLOBAL_HOOKS = (
+    module_hooks._global_forward_hooks,
+    module_hooks._global_forward_pre_hooks,
+    module_hooks._global_backward_hooks,
+    module_hooks._global_backward_pre_hooks,
+)
+
+
+def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why `F.linear(x, W + Σ P ⊙ Θ, b)` cannot stand in for `base(x)` plus the bypass (None: it can). `weight` is the
+    base layer's weight as a (d_out, d_in) view."""
+    if type(base) not in _LINEAR_MODULES:
+        return f"the base layer is a {type(base).__name__}"
+    if type(base.weight) not in _PLAIN_WEIGHT_TYPES or weight.layout != torch.strided or weight.is_meta:
+        return "the weight is not a dense tensor in memory"
+    if not weight.dtype.is_floating_point or weight.requires_grad:
+        return "the weight is not a frozen floating-point tensor"
+    if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
+        return "the base layer has hooks"
+    if "_hf_hook" in vars(base) or any(_GLOBAL_HOOKS):
+        return "module hooks would see the base layer's call"
+    device = weight.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device).itemsize < weight.element_size():
+        return "autocast runs the matmul in a narrower dtype, which would round small deltas away"
+    if not torch.is_grad_enabled() and x.numel() <= BYPASS_MAX_TOKENS * x.shape[-1]:
+        return FEW_TOKENS
+    return None
+
+
+def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up)."""
+    copy = weight.detach().clone()
+    flat = copy.as_strided((copy.numel(),), (1,))  # (a clone of a (d_out, d_in) view is dense in its own strides)
+    for placement, delta in zip(placements, deltas, strict=True):
+        at = positions(copy, placement)
+        flat[at] = flat[at] + delta.detach().to(copy.dtype)
+    return copy
+
+
+def _flatten(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:
+    """What backward keeps of the layer input for the deltas' gradients: the input, or only the columns the deltas
+    read when they are few (k=1 reads a small share of most layers' inputs), with the placements re-indexed into
+    them. Traced, the input (how many columns are read is data that a graph cannot branch on)."""
+    d_in = x.shape[-1]
+    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not torch.compiler.is_compiling():
+        used, local = unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
+        if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
+            local_cols = local.split([p.cols.numel() for p in placements])
+            compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
+            return _flatten(x).index_select(1, used.to(x.device)), compact
+    return x, list(placements)
+
+
+class MergedCopyLinear(torch.autograd.Function):
+    """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, placements, *deltas):
+        out = F.linear(x, merged_copy(weight, placements, deltas), bias)
+        needed = any(ctx.needs_input_grad[4:])
+        kept, ctx.kept_placements = input_for_backward(x, placements) if needed else (None, placements)
+        ctx.save_for_backward(kept, *deltas)
+        # The weight is a plain reference: an inference tensor (a model loaded under inference_mode) cannot be saved.
+        ctx.weight, ctx.placements, ctx.input_dtype = weight, placements, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kept, *deltas = ctx.saved_tensors
+        grad2d, grad_x, grad_bias = _flatten(grad_out), None, None
+        if ctx.needs_input_grad[0]:
+            copy = merged_copy(ctx.weight, ctx.placements, deltas)
+            grad_x = (grad_out @ copy.to(grad_out.dtype)).to(ctx.input_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
+        grads = [
+            products.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
+            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[4:], strict=True)
+        ]
+        return grad_x, None, grad_bias, None, *grads
+
+
+class SparseBypass(torch.autograd.Function):
+    """`(P ⊙ Θ) x` for one adapter; backward keeps the input (or the columns read) only when the delta trains."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+        out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
+        kept, kept_placements = input_for_backward(x, [placement]) if ctx.needs_input_grad[3] else (None, [None])
+        ctx.save_for_backward(kept, delta)
+        ctx.placement, ctx.kept_placement, ctx.input_shape = placement, kept_placements[0], x.shape
+        return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        kept, delta = ctx.saved_tensors
+        grad2d, placement, grad_x, grad_delta = _flatten(grad_out), ctx.placement, None, None
+        if ctx.needs_input_grad[0]:
+            d_in = ctx.input_shape[-1]
+            grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in)
+            grad_x = grad_x.to(grad_out.dtype).view(ctx.input_shape)
+        if ctx.needs_input_grad[3]:
+            cols, rows = ctx.kept_placement.cols, ctx.kept_placement.rows
+            grad_delta = products.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
+        return grad_x, None, None, grad_delta
+
+
+def sparse_bypass(x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+    """`(P ⊙ Θ) x` alone, for adding to the base layer's output."""
+    if torch.is_grad_enabled():
+        return SparseBypass.apply(x, placement, out_features, delta)
+    out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence) -> list[torch.Tensor]:
+    """The deltas as a merge adds them into a weight narrower than float32 (`W + Θ` rounded to its dtype, less `W`),
+    so that the bypass without gradients adds what the merged copy would, up to the matmul's own rounding."""
+    if weight.dtype == torch.float32:
+        return list(deltas)
+    rounded = []
+    for placement, delta in zip(placements, deltas, strict=True):
+        entries = placed_entries(weight, placement)
+        rounded.append((entries + delta.detach().to(entries.dtype)).float() - entries.float())
+    return rounded
+
+
+def adapted_linear(
+    base: nn.Module,
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    placements: Sequence[Placement],
+    deltas: Sequence[torch.Tensor],
+    *args,
+    **kwargs,
+) -> torch.Tensor:
+    """`base(x, *args, **kwargs) + Σ (P ⊙ Θ) x`, on the merged copy where it can stand in, else on the bypass.
+    `weight` is the base layer's weight as a (d_out, d_in) view."""
+    refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
+    if refusal is None:
+        if torch.is_grad_enabled():
+            return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), *deltas)
+        return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
+    if refusal == FEW_TOKENS:
+        deltas = rounded_deltas(weight, placements, deltas)
+    result = base(x, *args, **kwargs)
+    for placement, delta in zip(placements, deltas, strict=True):
+        result = result + sparse_bypass(x, placement, result.shape[-1], delta).to(result.dtype)
+    return result
