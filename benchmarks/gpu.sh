@@ -6,7 +6,8 @@
 #   benchmarks/gpu.sh --dry-run OUT_DIR  # anywhere: the same runs on the tiny model on the CPU (the test suite's)
 #
 # Writes OUT_DIR/gpu.txt (the GPU and software), and per model OUT_DIR/train_cost-MODEL.md and .json: step time and
-# peak memory (max_memory_allocated) of the frozen floor, NeuroAda k=1 and k=20, the paper code's scatter_add forward,
+# peak memory (max_memory_allocated) of the frozen floor, NeuroAda k=1 and k=20 (k=20 also with the opt-in Triton delta
+# gradient, which earns a default only if it is at least 10% faster than the pure path), the paper code's scatter_add forward,
 # mask-based k=20, LoRA at k=20's budget and full fine-tuning, in bf16 (docs/results.md's memory table on CUDA; put
 # them through benchmarks/memory_figures.py --reports); then benchmarks/study.py's scale-up (commonsense_15k under the
 # paper protocol, NeuroAda k=1 and k=20 against LoRA r=1 and r=10, each budget at its swept rate) for the time left,
@@ -18,7 +19,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
 out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-variants=(floor neuroada-k1 neuroada-k20 paper-scatter-k20 mask-k20 lora-budget full)
+variants=(floor neuroada-k1 neuroada-k20 neuroada-k20-triton paper-scatter-k20 mask-k20 lora-budget full)
 # --gen-steps 0: the time limits were sized before train_cost timed greedy generation.
 if ((dry_run)); then
   device=cpu dtype=float32 models=(tiny) limits=(300) options=(--steps 1 --warmup 1 --infer-steps 1 --gen-steps 0)

@@ -210,6 +210,15 @@ def neuroada(k: int) -> Callable[[PreTrainedModel], Setup]:
     return setup
 
 
+def neuroada_triton(model: PreTrainedModel) -> Setup:
+    """NeuroAda k=20 with the opt-in Triton delta gradient (`peft_neuroada.accel.use_triton`; torch's off CUDA)."""
+    from peft_neuroada.accel import use_triton
+
+    peft_model, trainable, _ = neuroada(BUDGET_K)(model)
+    use_triton(peft_model)
+    return peft_model, trainable, f"neuroada k={BUDGET_K}, triton delta gradient"
+
+
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
     """NeuroAda k=20 with its deltas frozen: the adapted layers' own cost (forward and input gradient through
     W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
@@ -306,6 +315,7 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "neuroada-k1": neuroada(1),
     "neuroada-k20": neuroada(BUDGET_K),
     "neuroada-k20-frozen": neuroada_frozen,
+    "neuroada-k20-triton": neuroada_triton,
     "lora-budget": lora(None),
     "lora-r8": lora(8),
     "shira-budget": shira(),

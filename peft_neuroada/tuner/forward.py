@@ -14,7 +14,7 @@ Two paths, both pure torch, neither writing the base weight:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from transformers.pytorch_utils import Conv1D
 from . import products
 from .placement import Placement, placed_entries, positions, unique_columns
 
+# The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k) float32 (`products.sampled_grad`'s contract).
+SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
 BYPASS_MAX_TOKENS = 32
 # Backward keeps only the input columns the deltas read when they are at most this share of the input.
@@ -95,13 +97,13 @@ class MergedCopyLinear(torch.autograd.Function):
     """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, placements, *deltas):
+    def forward(ctx, x, weight, bias, placements, sampled_grad, *deltas):
         out = F.linear(x, merged_copy(weight, placements, deltas), bias)
-        needed = any(ctx.needs_input_grad[4:])
+        needed = any(ctx.needs_input_grad[5:])
         kept, ctx.kept_placements = input_for_backward(x, placements) if needed else (None, placements)
         ctx.save_for_backward(kept, *deltas)
         # The weight is a plain reference: an inference tensor (a model loaded under inference_mode) cannot be saved.
-        ctx.weight, ctx.placements, ctx.input_dtype = weight, placements, x.dtype
+        ctx.weight, ctx.placements, ctx.sampled_grad, ctx.input_dtype = weight, placements, sampled_grad, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -115,21 +117,22 @@ class MergedCopyLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
         grads = [
-            products.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
-            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[4:], strict=True)
+            ctx.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
+            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[5:], strict=True)
         ]
-        return grad_x, None, grad_bias, None, *grads
+        return grad_x, None, grad_bias, None, None, *grads
 
 
 class SparseBypass(torch.autograd.Function):
     """`(P ⊙ Θ) x` for one adapter; backward keeps the input (or the columns read) only when the delta trains."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x, placement: Placement, out_features: int, sampled_grad: SampledGrad, delta) -> torch.Tensor:
         out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
-        kept, kept_placements = input_for_backward(x, [placement]) if ctx.needs_input_grad[3] else (None, [None])
+        kept, kept_placements = input_for_backward(x, [placement]) if ctx.needs_input_grad[4] else (None, [None])
         ctx.save_for_backward(kept, delta)
         ctx.placement, ctx.kept_placement, ctx.input_shape = placement, kept_placements[0], x.shape
+        ctx.sampled_grad = sampled_grad
         return out.view(*x.shape[:-1], out_features)
 
     @staticmethod
@@ -140,16 +143,18 @@ class SparseBypass(torch.autograd.Function):
             d_in = ctx.input_shape[-1]
             grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in)
             grad_x = grad_x.to(grad_out.dtype).view(ctx.input_shape)
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[4]:
             cols, rows = ctx.kept_placement.cols, ctx.kept_placement.rows
-            grad_delta = products.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
-        return grad_x, None, None, grad_delta
+            grad_delta = ctx.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
+        return grad_x, None, None, None, grad_delta
 
 
-def sparse_bypass(x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor) -> torch.Tensor:
+def sparse_bypass(
+    x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor, sampled_grad: SampledGrad
+) -> torch.Tensor:
     """`(P ⊙ Θ) x` alone, for adding to the base layer's output."""
     if torch.is_grad_enabled():
-        return SparseBypass.apply(x, placement, out_features, delta)
+        return SparseBypass.apply(x, placement, out_features, sampled_grad, delta)
     out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
     return out.view(*x.shape[:-1], out_features)
 
@@ -172,19 +177,20 @@ def adapted_linear(
     x: torch.Tensor,
     placements: Sequence[Placement],
     deltas: Sequence[torch.Tensor],
+    sampled_grad: SampledGrad,
     *args,
     **kwargs,
 ) -> torch.Tensor:
     """`base(x, *args, **kwargs) + Σ (P ⊙ Θ) x`, on the merged copy where it can stand in, else on the bypass.
-    `weight` is the base layer's weight as a (d_out, d_in) view."""
+    `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient."""
     refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
     if refusal is None:
         if torch.is_grad_enabled():
-            return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), *deltas)
+            return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), sampled_grad, *deltas)
         return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
     if refusal == FEW_TOKENS:
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
     for placement, delta in zip(placements, deltas, strict=True):
-        result = result + sparse_bypass(x, placement, result.shape[-1], delta).to(result.dtype)
+        result = result + sparse_bypass(x, placement, result.shape[-1], delta, sampled_grad).to(result.dtype)
     return result

@@ -20,6 +20,7 @@ from peft.utils import resolve_quantization_backend
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
+from . import products
 from .config import DTYPES, NeuroAdaConfig
 from .forward import adapted_linear
 from .index_storage import from_buffer, to_buffer
@@ -117,6 +118,8 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights")
+    # The deltas' gradient, a function of tensors (`forward.SampledGrad`); a layer may be given a faster one.
+    sampled_grad = staticmethod(products.sampled_grad)
 
     def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
@@ -398,7 +401,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             placements = [self.placement(name) for name in adapters]
             deltas = [self.neuroada_delta[name] for name in adapters]
             base, weight = self.get_base_layer(), self.weight_out_in()
-            return adapted_linear(base, weight, x, placements, deltas, *args, **kwargs)
+            return adapted_linear(base, weight, x, placements, deltas, self.sampled_grad, *args, **kwargs)
 
     def _mixed_batch_forward(self, x: torch.Tensor, adapter_names: list[str], *args: Any, **kwargs: Any):
         """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (docs/design.md, "Per op")
+# Up to this many (token, delta) pairs the forward gathers the inputs it reads instead of building a sparse matrix.
+GATHER_MAX_ENTRIES = 1 << 16
 
 
 def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> None:
@@ -55,19 +57,25 @@ def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None)
             out[:, j] = (x2d.index_select(1, cols[:, j]).float() * tuned).sum(0)
         return out
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, device=cols.device))
+    # Token-major operands: the kernel's own transposes of row-major ones cost it twice as much as these copies.
     with _float32(x2d):
-        return torch.sparse.sampled_addmm(pattern, tuned.T, x2d.float(), beta=0.0).values().view(n, k)
+        tokens_major = tuned.T.contiguous(), x2d.float().T.contiguous().T
+        return torch.sparse.sampled_addmm(pattern, *tokens_major, beta=0.0).values().view(n, k)
 
 
 def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
     cols, rows = _indices(cols, rows)
-    _check_bounds(cols, rows, x2d.shape[1], d_out)
-    if _sparse_kernels_cover(x2d):
+    (n, k), tokens = cols.shape, x2d.shape[0]
+    if tokens * n * k <= GATHER_MAX_ENTRIES:  # (decoding) one gather of the inputs read, which checks the indices
+        gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).float()
+        tuned = (gathered * delta.float()).sum(-1)
+    elif _sparse_kernels_cover(x2d):
+        _check_bounds(cols, rows, x2d.shape[1], d_out)
         with _float32(x2d):
             tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.float()), x2d.float().T).T
     else:
-        tuned = torch.zeros(x2d.shape[0], cols.shape[0], dtype=torch.float32, device=x2d.device)
-        for j in range(cols.shape[1]):
+        tuned = torch.zeros(tokens, n, dtype=torch.float32, device=x2d.device)
+        for j in range(k):
             tuned += x2d.index_select(1, cols[:, j]).float() * delta[:, j].float()
     if rows is None:
         return tuned
