@@ -1,15 +1,10 @@
-"""How a NeuroAda linear layer computes `y = W x + b + Σ (P ⊙ Θ) x`: everything the forward and backward do.
+"""How a NeuroAda linear layer computes `y = W x + b + Σ (P ⊙ Θ) x`, in two paths that never write the base weight:
 
-Two paths, both pure torch, neither writing the base weight:
-
-* **merged copy** (`MergedCopyLinear`): one matmul on a transient copy `W + Σ P ⊙ Θ` (the deltas rounded into the
-  weight's dtype, as a merge and the official code round them). Backward makes the copy again instead of keeping it:
-  the input gradient is the frozen layer's own matmul, the deltas' gradient the dense weight gradient sampled at their
-  positions, never formed. It costs one write of the weight per call, which a training batch amortises.
-* **bypass** (`sparse_bypass`): the base layer's own output plus `(P ⊙ Θ) x`, one sparse product each way. It serves
-  what a copy cannot (a quantized, offloaded, sharded or hooked base layer, extra arguments, an autocast narrower than
-  the weight) and few tokens at a time without gradients (decoding), where a copy of the weight would cost more than
-  the product it replaces (docs/performance.md).
+* **merged copy** (`MergedCopyLinear`): one matmul on a transient `W + Σ P ⊙ Θ` (deltas rounded into the weight's
+  dtype, as a merge and the official code round them), made again in backward: the input gradient is the frozen
+  layer's own matmul, the deltas' gradient the dense weight gradient sampled at their positions, never formed.
+* **bypass** (`SparseBypass`): the base layer's own output plus `(P ⊙ Θ) x`, for what a copy cannot stand in for
+  (`copy_refusal`) and for few tokens without gradients (decoding), where copying the weight costs more than it saves.
 """
 
 from __future__ import annotations
@@ -149,16 +144,6 @@ class SparseBypass(torch.autograd.Function):
         return grad_x, None, None, None, grad_delta
 
 
-def sparse_bypass(
-    x: torch.Tensor, placement: Placement, out_features: int, delta: torch.Tensor, sampled_grad: SampledGrad
-) -> torch.Tensor:
-    """`(P ⊙ Θ) x` alone, for adding to the base layer's output."""
-    if torch.is_grad_enabled():
-        return SparseBypass.apply(x, placement, out_features, sampled_grad, delta)
-    out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta.detach(), out_features)
-    return out.view(*x.shape[:-1], out_features)
-
-
 def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence) -> list[torch.Tensor]:
     """The deltas as a merge adds them into a weight narrower than float32 (`W + Θ` rounded to its dtype, less `W`),
     so that the bypass without gradients adds what the merged copy would, up to the matmul's own rounding."""
@@ -191,6 +176,10 @@ def adapted_linear(
     if refusal == FEW_TOKENS:
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
-    for placement, delta in zip(placements, deltas, strict=True):
-        result = result + sparse_bypass(x, placement, result.shape[-1], delta, sampled_grad).to(result.dtype)
+    for p, delta in zip(placements, deltas, strict=True):
+        if torch.is_grad_enabled():
+            bypass = SparseBypass.apply(x, p, result.shape[-1], sampled_grad, delta)
+        else:
+            bypass = products.bypass_forward(_flatten(x), p.cols, p.rows, delta.detach(), result.shape[-1])
+        result = result + bypass.view(result.shape).to(result.dtype)
     return result
