@@ -35,10 +35,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _token_major(t: Tensor) -> Tensor:
-    return t if t.stride(0) == 1 else t.T.contiguous().T
-
-
 def _sampled_grad_kernel(
     x_ptr, g_ptr, cols_ptr, rows_ptr, out_ptr, T, K, NK, tokens_per_split, x_sf, g_sf,
     HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -75,7 +71,7 @@ def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None)
     (n, k), tokens = cols.shape, x2d.shape[0]
     if n * k == 0 or tokens == 0:
         return torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
-    x2d, grad2d, cols = _token_major(x2d), _token_major(grad2d), cols.contiguous()
+    x2d, grad2d, cols = products.token_major(x2d), products.token_major(grad2d), cols.contiguous()
     entry_blocks = _cdiv(n * k, BLOCK_ENTRIES)
     splits = max(1, min(_cdiv(tokens, BLOCK_TOKENS), TARGET_PROGRAMS // entry_blocks))
     tokens_per_split = _cdiv(_cdiv(tokens, splits), BLOCK_TOKENS) * BLOCK_TOKENS

@@ -41,6 +41,11 @@ def _sparse_kernels_cover(t: Tensor) -> bool:
     return t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
 
 
+def token_major(t: Tensor) -> Tensor:
+    """`t` (T, features) with unit token stride: itself if laid out so, else a transposed copy."""
+    return t if t.stride(0) == 1 else t.T.contiguous().T
+
+
 def _float32(t: Tensor):
     """Sparse kernels run in float32 (an autocast would hand them bfloat16, which CPU CSR kernels lack)."""
     return torch.autocast(t.device.type, enabled=False)
@@ -59,8 +64,8 @@ def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None)
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, device=cols.device))
     # Token-major operands: the kernel's own transposes of row-major ones cost it twice as much as these copies.
     with _float32(x2d):
-        tokens_major = tuned.T.contiguous(), x2d.float().T.contiguous().T
-        return torch.sparse.sampled_addmm(pattern, *tokens_major, beta=0.0).values().view(n, k)
+        operands = token_major(tuned).T, token_major(x2d.float())
+        return torch.sparse.sampled_addmm(pattern, *operands, beta=0.0).values().view(n, k)
 
 
 def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
