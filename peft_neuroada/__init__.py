@@ -2,10 +2,10 @@
 
 from .budget import k_for_budget
 from .config import NeuroAdaConfig
+from .gradient_selection import select_by_gradient
 from .layers import Linear, ParamWrapper
 from .model import NeuroAdaModel
 from .registration import register
-from .tuner.gradient_selection import select_by_gradient
 from .tuner.layer import NeuroAdaLayer
 
 NEUROADA = register()

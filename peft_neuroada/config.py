@@ -6,6 +6,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from peft.config import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
@@ -18,6 +19,8 @@ from .tuner import config as tuner_config
 @dataclass
 class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
     __doc__ = tuner_config.NeuroAdaConfig.__doc__
+    # 'gradient': chosen by magnitude until `select_by_gradient` re-selects them (gradient_selection.py).
+    strategies: ClassVar[tuple[str, ...]] = (*tuner_config.NeuroAdaConfig.strategies, "gradient")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,3 +51,16 @@ class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
         if isinstance(config, NeuroAdaConfig) and (folder / CONFIG_NAME).is_file():
             config._saved_deltas = saved_deltas(folder)
         return config
+
+    @property
+    def trainable_token_indices(self) -> None:
+        """LoRA's option, which tools such as TRL read on any peft config; setting it says what to do instead."""
+        return None
+
+    @trainable_token_indices.setter
+    def trainable_token_indices(self, value: object) -> None:
+        raise ValueError(
+            f"NeuroAda has no trainable_token_indices (asked for {value!r}): it is a LoRA option in peft. Train the "
+            'embeddings through modules_to_save (e.g. NeuroAdaConfig(modules_to_save=["embed_tokens", "lm_head"])), '
+            "after adding the new tokens to the tokenizer and resizing the model's embeddings yourself."
+        )

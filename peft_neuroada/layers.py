@@ -7,6 +7,7 @@ forward hooks would reach every thread's calls), and read quantized weights a bl
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Iterator
@@ -58,6 +59,13 @@ class PluginLayer(WeightedLayer):
     """What the plugin adds to a tuner layer (mixed in before it)."""
 
     requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
+
+    def _select(self, adapter_name: str, config: Any, k: int) -> tuple[int, torch.dtype]:
+        """'gradient' starts from the magnitude selection, until `select_by_gradient` re-selects."""
+        if config.selection == "gradient":
+            config = copy.copy(config)
+            config.selection = "magnitude"
+        return super()._select(adapter_name, config, k)
 
     def placement(self, adapter_name: str) -> Placement:
         """The adapter's placement: the same object while its index buffer, rows and deltas' shape are unchanged, and

@@ -18,6 +18,7 @@ from transformers.pytorch_utils import Conv1D
 
 from . import layers
 from .config import NeuroAdaConfig
+from .gradient_selection import select_by_gradient
 from .loading import check_saved_deltas, check_saved_tensors
 from .peft_compat import PeftCompat, without_wrapper_names
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
@@ -91,6 +92,12 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         super()._post_injection_hook(model, config, adapter_name)
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["peft-neuroada"])
+        if config.selection == "gradient" and not config.inference_mode:
+            warnings.warn(
+                f"Adapter '{adapter_name}' uses selection='gradient': inputs are chosen by magnitude until you call "
+                f"{select_by_gradient.__module__}.select_by_gradient(model, calibration_batches) before training.",
+                stacklevel=2,
+            )
 
     @classmethod
     def _create_new_module(

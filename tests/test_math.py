@@ -8,6 +8,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.gradient_selection import reselect
 from peft_neuroada.layers import Linear
 from peft_neuroada.tuner.forward import copy_refusal
 
@@ -213,7 +214,7 @@ def test_the_delta_gradient_follows_indices_changed_between_steps(change):
     if change == "in-place":
         layer.placement("default").cols.copy_(moved)
     else:
-        layer.reselect("default", moved)
+        reselect(layer, "default", moved)
         layer.neuroada_delta["default"].data.normal_()
     layer.neuroada_delta["default"].grad = None
     x = inputs(layer, tokens=3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from peft.config import PeftConfig
@@ -70,7 +70,7 @@ class NeuroAdaConfig(PeftConfig):
     )
     layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
     layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
-    selection: str = _field("magnitude", f"One of {STRATEGIES}; 'gradient' needs select_by_gradient.")
+    selection: str = _field("magnitude", f"One of {STRATEGIES} (the paper: magnitude).")
     selection_seed: int = _field(0, "Seed for 'random' and neuron_fraction, combined with each layer's name.")
     neuron_fraction: float = _field(1.0, "Share of each layer's neurons, drawn with selection_seed, that is tuned.")
     fan_in_fan_out: bool = _field(False, "True for (in, out) weights like GPT-2's Conv1D (detected and corrected).")
@@ -78,6 +78,7 @@ class NeuroAdaConfig(PeftConfig):
     bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
     delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
     modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES  # the values `selection` takes
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,7 +114,10 @@ class NeuroAdaConfig(PeftConfig):
                 _is_none_or_names(self.layers_pattern, str, list),
                 "None, the name of the model's list of layers (e.g. 'layers', 'h') or a list of such names",
             ),
-            "selection": (isinstance(self.selection, str) and self.selection in STRATEGIES, f"one of {STRATEGIES}"),
+            "selection": (
+                isinstance(self.selection, str) and self.selection in self.strategies,
+                f"one of {self.strategies}",
+            ),
             "selection_seed": (
                 _is_int(self.selection_seed) and SEED_RANGE[0] <= self.selection_seed <= SEED_RANGE[1],
                 "an integer from -2**63 to 2**64 - 1 (what torch.Generator.manual_seed takes)",
@@ -134,19 +138,6 @@ class NeuroAdaConfig(PeftConfig):
         for name, (ok, what) in accepted.items():
             if not ok:
                 raise ValueError(f"NeuroAdaConfig.{name} must be {what} (got {getattr(self, name)!r}).")
-
-    @property
-    def trainable_token_indices(self) -> None:
-        """LoRA's option, which tools such as TRL read on any peft config; setting it says what to do instead."""
-        return None
-
-    @trainable_token_indices.setter
-    def trainable_token_indices(self, value: object) -> None:
-        raise ValueError(
-            f"NeuroAda has no trainable_token_indices (asked for {value!r}): it is a LoRA option in peft. Train the "
-            'embeddings through modules_to_save (e.g. NeuroAdaConfig(modules_to_save=["embed_tokens", "lm_head"])), '
-            "after adding the new tokens to the tokenizer and resizing the model's embeddings yourself."
-        )
 
 
 def _is_int(value: object) -> bool:

@@ -90,13 +90,6 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         param = self.get_param()
         return param.device, param.dtype
 
-    def check_reselectable(self, adapter_name: str) -> None:
-        raise ValueError(
-            f"Gradient selection does not reach NeuroAda expert weights ('{self.layer_name}'): the experts' own "
-            "forward hides each expert's input. Use selection='magnitude' for target_parameters, or leave them out "
-            "of this adapter (target_parameters=[])."
-        )
-
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense tensor shaped like the parameter (for inspection and tests)."""
         delta = self.neuroada_delta[adapter_name].detach()

@@ -210,12 +210,11 @@ class NeuroAdaLayer(BaseTunerLayer):
         """Choose the neurons and k inputs each; returns how many neurons, and the dtype the weight was read in."""
         generator = layer_generator(config.selection_seed, self.layer_name)
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
-        strategy = "magnitude" if config.selection == "gradient" else config.selection
         quantized = self.quantized()
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
         with gather_params_ctx(self.weight_out_in(), modifier_rank=None):
             weight = self.base_weight().reshape(-1, self.in_features) if quantized is None else quantized
-            cols = select_inputs(weight if rows is None else weight[rows.long()], k, strategy, generator)
+            cols = select_inputs(weight if rows is None else weight[rows.long()], k, config.selection, generator)
             self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
@@ -234,28 +233,6 @@ class NeuroAdaLayer(BaseTunerLayer):
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into its quantized weight (requantized: the base values are gone)."""
         return bool(self._quantized_originals)
-
-    def check_reselectable(self, adapter_name: str) -> None:
-        """Raise if the adapter's inputs cannot be selected again: it is merged, or its deltas do not train."""
-        self._check_unmerged(adapter_name)
-        if not self.neuroada_delta[adapter_name].requires_grad:
-            raise ValueError(
-                f"Adapter '{adapter_name}' does not train (loaded for inference, or not the active adapter); "
-                "selecting its inputs by gradient needs gradients through its deltas: load it with "
-                "`PeftModel.from_pretrained(..., is_trainable=True)` or make it the active adapter."
-            )
-
-    def _check_unmerged(self, adapter_name: str) -> None:
-        if adapter_name in self.merged_adapters:
-            raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
-
-    def reselect(self, adapter_name: str, cols: torch.Tensor) -> None:
-        """Move an adapter to new input columns (same neurons) and restart its deltas from initialisation."""
-        self._check_unmerged(adapter_name)
-        delta = self.neuroada_delta[adapter_name]
-        self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
-        with torch.no_grad():
-            delta.copy_(self._initial_delta(adapter_name, *delta.shape, delta.dtype))
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""

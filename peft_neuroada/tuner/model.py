@@ -27,7 +27,6 @@ from .config import (
     default_targets,
 )
 from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
-from .gradient_selection import select_by_gradient
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
 
 
@@ -88,12 +87,6 @@ class NeuroAdaModel(BaseTuner):
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada"])  # in the model card save_pretrained and push_to_hub write
-        if config.selection == "gradient" and not config.inference_mode:
-            warnings.warn(
-                f"Adapter '{adapter_name}' uses selection='gradient': inputs are chosen by magnitude until you call "
-                f"{select_by_gradient.__module__}.select_by_gradient(model, calibration_batches) before training.",
-                stacklevel=2,
-            )
 
     def _create_and_replace(
         self,

@@ -18,7 +18,7 @@ _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "reverse": lambda block, generator: block.abs().neg_(),
     "random": lambda block, generator: torch.rand(block.shape, generator=generator).to(block.device),
 }
-STRATEGIES = (*_SCORES, "gradient")
+STRATEGIES = tuple(_SCORES)
 
 
 def rows_per_block(d_in: int) -> int:
@@ -44,8 +44,8 @@ def _top_k_block(score: torch.Tensor, k: int) -> torch.Tensor:
 def select_inputs(
     weight: torch.Tensor, k: int, strategy: str = "magnitude", generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending. `gradient` selection passes the
-    gradients' magnitudes with `magnitude`; a quantized layer comes as its dequantized view, read in float32 blocks."""
+    """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending (another score, such as summed
+    gradients, goes in as `weight`); a quantized layer comes as its dequantized view, read in float32 blocks."""
     score_of = _SCORES[strategy]
     if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows
         weight = weight.full_tensor()

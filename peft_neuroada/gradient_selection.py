@@ -1,5 +1,7 @@
-"""Gradient-based selection: per neuron, the inputs with the largest |Σ dL/dw| over the batches, accumulated for as
-many layers as fit in `max_accumulated_elements` per pass, so the model's dense gradients never exist at once."""
+"""Gradient-based selection, as the official code's `perCell_gra_add`: per neuron, the inputs with the largest
+|Σ dL/dw| over the batches, accumulated for as many layers as fit in `max_accumulated_elements` per pass, so the
+model's dense gradients never exist at once. It re-selects an adapter the tuner made by magnitude (a workflow with
+calibration batches, which the plugin adds beside the tuner's offline selections)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from .layer import NeuroAdaLayer
-from .selection import select_inputs
+from .tuner.experts import ParamWrapper
+from .tuner.index_storage import to_buffer
+from .tuner.layer import NeuroAdaLayer
+from .tuner.selection import select_inputs
 
 Batch = dict[str, torch.Tensor]
 Layers = list[tuple[str, NeuroAdaLayer]]
@@ -84,13 +88,42 @@ def select_by_gradient(
     if not layers:
         raise ValueError(f"The model has no NeuroAda layers for adapter '{adapter_name}'.")
     for _, layer in layers:
-        layer.check_reselectable(adapter_name)
+        check_reselectable(layer, adapter_name)
     for group in _layer_groups(layers, max_accumulated_elements):
         gradients = _accumulate_gradients(model, group, batches, loss_of)
         for name, layer in group:
             gradient, rows = gradients.pop(name), layer.placement(adapter_name).rows
             tuned = gradient if rows is None else gradient[rows.long()]
             cols = select_inputs(tuned, layer.neuroada_delta[adapter_name].shape[1])
-            layer.reselect(adapter_name, cols.to(layer.neuroada_indices[adapter_name].device))
+            reselect(layer, adapter_name, cols.to(layer.neuroada_indices[adapter_name].device))
     if (peft_config := getattr(model, "peft_config", {}).get(adapter_name)) is not None:
         peft_config.selection = "gradient"
+
+
+def check_reselectable(layer: NeuroAdaLayer, adapter_name: str) -> None:
+    """Raise if the adapter's inputs cannot be selected again: an expert stack (whose forward hides each expert's
+    input), a merged adapter, or deltas that do not train."""
+    if isinstance(layer, ParamWrapper):
+        raise ValueError(
+            f"Gradient selection does not reach NeuroAda expert weights ('{layer.layer_name}'): the experts' own "
+            "forward hides each expert's input. Use selection='magnitude' for target_parameters, or leave them out "
+            "of this adapter (target_parameters=[])."
+        )
+    if adapter_name in layer.merged_adapters:
+        raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+    if not layer.neuroada_delta[adapter_name].requires_grad:
+        raise ValueError(
+            f"Adapter '{adapter_name}' does not train (loaded for inference, or not the active adapter); "
+            "selecting its inputs by gradient needs gradients through its deltas: load it with "
+            "`PeftModel.from_pretrained(..., is_trainable=True)` or make it the active adapter."
+        )
+
+
+def reselect(layer: NeuroAdaLayer, adapter_name: str, cols: torch.Tensor) -> None:
+    """Move an unmerged adapter to new input columns (same neurons) and restart its deltas from initialisation."""
+    if adapter_name in layer.merged_adapters:
+        raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+    delta = layer.neuroada_delta[adapter_name]
+    layer.neuroada_indices[adapter_name] = to_buffer(cols, layer.in_features)
+    with torch.no_grad():
+        delta.copy_(layer._initial_delta(adapter_name, *delta.shape, delta.dtype))
