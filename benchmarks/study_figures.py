@@ -1,6 +1,6 @@
 """The study's figures and tables, from committed data: accuracy against trainable parameters, NeuroAda's paired
-difference against each peer at a matched budget with its 95% interval (benchmarks/study.py's results), and the cost
-of a training step at equal budget (benchmarks/train_cost.py's JSON).
+difference against each peer at a matched budget, read by study_stats.py's rule (benchmarks/study.py's results), and
+the cost of a training step at equal budget (benchmarks/train_cost.py's JSON).
 
     python benchmarks/study_figures.py            # docs/study/*.json -> docs/study/accuracy.png, cost.png + tables
 """
@@ -17,6 +17,7 @@ import common
 import matplotlib
 import matplotlib.ticker
 import numpy as np
+import study_stats
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
@@ -34,7 +35,6 @@ TASKS = {"second_largest": "second largest of four numbers", "commonsense": "com
 # A peer's budget is matched to NeuroAda's when their trainable counts differ by at most this factor (LoRA r=3 has
 # 1.18x NeuroAda k=5's count; no rank comes within it of k=1).
 MATCHED = 1.25
-RESAMPLES = 10_000
 
 
 def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
@@ -92,22 +92,15 @@ def seed_of(run: dict) -> int:
     return run["seed"]
 
 
-def paired_difference(ours: Point, theirs: Point, resamples: int = RESAMPLES) -> tuple[float, float, float]:
-    """NeuroAda's accuracy minus the peer's in points, and its 95% percentile interval from a bootstrap that draws
-    seeds and questions with replacement: both methods answered the same questions after training on the same
-    examples per seed, so each draw keeps the pairs together."""
+def paired_differences(ours: Point, theirs: Point) -> np.ndarray:
+    """NeuroAda's answers minus the peer's, in points, seeds x questions, over the test seeds both ran: both methods
+    answered the same questions after training on the same examples per seed."""
     seeds = sorted({seed_of(run) for run in ours.runs} & {seed_of(run) for run in theirs.runs})
     answered = [
         [np.array([int(c) for c in run["answered"]]) for run in point.runs if seed_of(run) in seeds]
         for point in (ours, theirs)
     ]
-    differences = 100.0 * (np.stack(answered[0]) - np.stack(answered[1]))  # seeds x questions
-    rng = np.random.default_rng(0)
-    drawn_seeds = rng.integers(0, differences.shape[0], (resamples, differences.shape[0]))
-    drawn_questions = rng.integers(0, differences.shape[1], (resamples, differences.shape[1]))
-    means = differences[drawn_seeds[:, :, None], drawn_questions[:, None, :]].mean(axis=(1, 2))
-    low, high = np.percentile(means, [2.5, 97.5])
-    return float(differences.mean()), float(low), float(high)
+    return 100.0 * (np.stack(answered[0]) - np.stack(answered[1]))
 
 
 def matched_pairs(table: dict[str, list[Point]]) -> list[tuple[Point, Point]]:
@@ -127,13 +120,19 @@ def matched_pairs(table: dict[str, list[Point]]) -> list[tuple[Point, Point]]:
     return sorted(pairs, key=lambda pair: (pair[0].size, list(LABELS).index(pair[1].family)))
 
 
-def verdict(low: float, high: float) -> str:
-    return "NeuroAda ahead" if low > 0 else "peer ahead" if high < 0 else "not told apart"
+Paired = tuple[Point, Point, study_stats.Reading]
 
 
-def accuracy_figure(table: dict[str, list[Point]], settings: dict, path: Path) -> None:
+def read_pairs(table: dict[str, list[Point]]) -> list[Paired]:
+    """Every matched pair with its reading, Holm's correction taken over all of them (one family: the table)."""
+    pairs = matched_pairs(table)
+    readings = study_stats.read_family([paired_differences(ours, peer) for ours, peer in pairs])
+    return [(ours, peer, reading) for (ours, peer), reading in zip(pairs, readings, strict=True)]
+
+
+def accuracy_figure(table: dict[str, list[Point]], read: list[Paired], settings: dict, path: Path) -> None:
     """Left: test accuracy against trainable parameters (mean ± sd over the test seeds). Right: NeuroAda minus each
-    peer at a matched budget, with the bootstrap's 95% interval."""
+    peer at a matched budget, with both Holm-corrected intervals."""
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.25, 1]})
     for family, entries in table.items():
         if family == "full":  # every weight trains: a reference level, not a point hundreds of times further right
@@ -163,18 +162,23 @@ def accuracy_figure(table: dict[str, list[Point]], settings: dict, path: Path) -
     )
     left.grid(True, which="both", alpha=0.3)
     left.legend(fontsize=7)
-    pairs = matched_pairs(table)
-    for row, (ours, peer) in enumerate(pairs):
-        mean, low, high = paired_difference(ours, peer)
-        colour = "tab:green" if low > 0 else "tab:red" if high < 0 else "tab:gray"
-        right.errorbar([mean], [row], xerr=[[mean - low], [high - mean]], fmt="o", color=colour, capsize=3)
+    for row, (_, _, reading) in enumerate(read):
+        colour = {"NeuroAda ahead": "tab:green", "peer ahead": "tab:red"}.get(reading.verdict, "tab:gray")
+        drawn = ((reading.bootstrap_corrected, -0.15, 3), (reading.seed_corrected, 0.15, 1.2))
+        for (low, high), offset, width in drawn:
+            right.plot([low, high], [row + offset] * 2, color=colour, linewidth=width, solid_capstyle="butt")
+        right.plot([reading.mean], [row], "o", color=colour)
     right.axvline(0.0, color="black", linewidth=0.8)
     right.set_yticks(
-        range(len(pairs)), [f"k={ours.size} vs {peer.family} {peer.size}" for ours, peer in pairs], fontsize=8
+        range(len(read)), [f"k={ours.size} vs {peer.family} {peer.size}" for ours, peer, _ in read], fontsize=8
     )
     right.invert_yaxis()
-    right.set_xlabel("NeuroAda minus peer, test accuracy points (95% interval)")
-    right.set_title("matched budgets\ngreen: NeuroAda ahead, red: the peer ahead, grey: not told apart", fontsize=9)
+    right.set_xlabel("NeuroAda minus peer, test accuracy points")
+    right.set_title(
+        "matched budgets, intervals Holm-corrected over the table\nthick: bootstrap (seeds and questions); "
+        "thin: t over seeds\ngreen / red: NeuroAda / the peer ahead in both; grey: neither",
+        fontsize=8,
+    )
     right.grid(True, axis="x", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -202,7 +206,7 @@ def cost_figure(cost: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def markdown(runs: list[dict], table: dict[str, list[Point]]) -> str:
+def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]) -> str:
     """The sweeps (dev accuracy per learning rate, the chosen one in bold), the test table and the paired
     differences, for docs/results.md."""
     rates = chosen_rates(runs)
@@ -230,16 +234,26 @@ def markdown(runs: list[dict], table: dict[str, list[Point]]) -> str:
             )
     rows += [
         "",
-        "| NeuroAda | peer | trainable (NeuroAda / peer) | NeuroAda minus peer (points) | 95% interval | reading |",
-        "|---|---|---:|---:|---:|---|",
+        "| NeuroAda | peer | trainable (NeuroAda / peer) | NeuroAda minus peer | per test seed | bootstrap 95% "
+        "| bootstrap, Holm-corrected (p) | seed t 95% | seed t, Holm-corrected (p) | reading |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for ours, peer in matched_pairs(table):
-        mean, low, high = paired_difference(ours, peer)
+    for ours, peer, reading in read:
+        gaps = ", ".join(f"{gap:+.1f}" for gap in reading.per_seed)
+        reading_text = reading.verdict
+        if reading_text == "not told apart":
+            reading_text += f" (detectable: {reading.detectable:.0f})"
         rows.append(
             f"| k={ours.size} | {peer.family} {peer.size} | {ours.trainable:,} / {peer.trainable:,} | "
-            f"{mean:+.1f} | [{low:+.1f}, {high:+.1f}] | {verdict(low, high)} |"
+            f"{reading.mean:+.1f} | {gaps} | {interval(reading.bootstrap)} | "
+            f"{interval(reading.bootstrap_corrected)} ({reading.bootstrap_holm_p:.2f}) | {interval(reading.seed_t)} | "
+            f"{interval(reading.seed_corrected)} ({reading.seed_holm_p:.2f}) | {reading_text} |"
         )
     return "\n".join(rows)
+
+
+def interval(bounds: tuple[float, float]) -> str:
+    return f"[{bounds[0]:+.1f}, {bounds[1]:+.1f}]"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -251,10 +265,11 @@ def main(argv: list[str] | None = None) -> None:
     study = json.loads(args.results.read_text())
     table = points(study["runs"])
     args.out.mkdir(parents=True, exist_ok=True)
-    accuracy_figure(table, study["settings"], args.out / "accuracy.png")
+    read = read_pairs(table)
+    accuracy_figure(table, read, study["settings"], args.out / "accuracy.png")
     if args.cost.exists():
         cost_figure(json.loads(args.cost.read_text()), args.out / "cost.png")
-    print(markdown(study["runs"], table))
+    print(markdown(study["runs"], table, read))
 
 
 if __name__ == "__main__":

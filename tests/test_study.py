@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.shared_data import shared_datasets
@@ -98,18 +99,47 @@ def _point(figures, family: str, answered: list[str]):
     return figures.Point(family, 1, 1e-2, runs)
 
 
-def test_the_paired_difference_is_the_mean_gap_and_its_interval_reads_only_what_the_pairs_support() -> None:
-    figures = _benchmark_module("study_figures")
-    ours = _point(figures, "neuroada", ["1111111111" * 4, "1111111110" * 4, "1111111100" * 4])
-    theirs = _point(figures, "lora", ["1111111100" * 4, "1111111000" * 4, "1111110000" * 4])
-    mean, low, high = figures.paired_difference(ours, theirs)
-    assert mean == pytest.approx(20.0) and 0 < low < mean < high
-    assert figures.verdict(low, high) == "NeuroAda ahead"
-    assert figures.verdict(*figures.paired_difference(theirs, ours)[1:]) == "peer ahead"
-    split = _point(figures, "neuroada", ["1111100000" * 4] * 3)
-    other_half = _point(figures, "lora", ["0000011111" * 4] * 3)
-    mean, low, high = figures.paired_difference(split, other_half)
-    assert mean == 0 and low < 0 < high and figures.verdict(low, high) == "not told apart"
+def _answers(correct_per_seed: list[int], questions: int = 200) -> list[str]:
+    return ["1" * correct + "0" * (questions - correct) for correct in correct_per_seed]
+
+
+def test_a_gap_is_read_as_a_win_only_where_seeds_and_questions_both_allow_it() -> None:
+    figures, stats = _benchmark_module("study_figures"), _benchmark_module("study_stats")
+    steady = figures.paired_differences(
+        _point(figures, "neuroada", _answers([190, 191, 190, 192, 190])),
+        _point(figures, "lora", _answers([170, 170, 171, 170, 169])),
+    )
+    # The gap of the k=5 vs LoRA r=3: the bootstrap's 95% interval excludes 0, three seeds do not.
+    one_seed = figures.paired_differences(
+        _point(figures, "neuroada", _answers([190, 190, 190])), _point(figures, "lora", _answers([182, 184, 169]))
+    )
+    ahead, lucky = stats.read_family([steady]), stats.read_family([one_seed])
+    assert ahead[0].mean == pytest.approx(10.3) and ahead[0].verdict == "NeuroAda ahead"
+    assert lucky[0].bootstrap[0] > 0 and lucky[0].seed_t[0] < 0 and lucky[0].verdict == "not told apart"
+    assert stats.read_family([-steady])[0].verdict == "peer ahead"
+
+
+def test_holm_corrects_over_the_table_and_an_interval_excludes_0_exactly_when_holm_rejects() -> None:
+    stats = _benchmark_module("study_stats")
+    adjusted, levels = stats.holm([0.01, 0.04, 0.03, 0.005])
+    assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert levels == pytest.approx([0.05 / 3, 0.05 / 2, 0.05 / 2, 0.05 / 4])  # the last two at the level Holm stopped
+    rng = np.random.default_rng(1)
+    gaps = [rng.normal(loc, 1.0, size=(4, 1)) for loc in (0.0, 0.5, 1.5, 2.5, 4.0, 6.0)]
+    for reading in stats.read_family(gaps):
+        low, high = reading.seed_corrected
+        assert (low > 0 or high < 0) == (reading.seed_holm_p < 0.05)
+    alone = stats.read_family([gaps[3]])[0]
+    among = stats.read_family(gaps)[3]
+    assert among.seed_holm_p > alone.seed_holm_p and among.seed_corrected[0] < alone.seed_corrected[0]
+
+
+def test_the_detectable_gap_grows_with_the_seeds_spread_and_shrinks_with_more_seeds() -> None:
+    stats = _benchmark_module("study_stats")
+    three, five = np.array([1.0, 3.0, 2.0]), np.array([1.0, 3.0, 2.0, 1.0, 3.0])
+    assert stats.detectable_gap(three, 0.05) > stats.detectable_gap(five, 0.05)
+    assert stats.detectable_gap(3 * three, 0.05) == pytest.approx(3 * stats.detectable_gap(three, 0.05))
+    assert stats.detectable_gap(three, 0.05 / 11) > stats.detectable_gap(three, 0.05)
 
 
 def test_the_study_scale_up_trains_on_commonsense_and_scores_arc_easy_and_boolq(tmp_path: Path) -> None:
