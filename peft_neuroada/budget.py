@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 from peft.tuners.tuners_utils import _get_in_out_features
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -11,7 +9,6 @@ from transformers.pytorch_utils import Conv1D
 from .targets import targeted_modules, targeted_parameters
 from .tuner.config import NeuroAdaConfig
 from .tuner.experts import is_transposed
-from .tuner.model import expert_projections
 from .tuner.selection import tuned_neuron_count
 
 
@@ -24,9 +21,6 @@ def targeted_shapes(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[int,
         for _, module in targeted_modules(model, config)
         if isinstance(module, (nn.Linear, Conv1D))
     ]
-    if config.target_modules is None and config.target_parameters is None:  # the defaults injection resolves
-        config = copy.deepcopy(config)
-        config.target_parameters = [short for short, _ in expert_projections(model)]
     for name, param in targeted_parameters(model, config):
         owner = model.get_submodule(name.rpartition(".")[0])
         d_out, d_in = param.shape[-2:][::-1] if is_transposed(owner, param) else param.shape[-2:]

@@ -1,5 +1,5 @@
 """Which modules and parameters a config adapts in a model, resolved as peft's injection resolves them (for budgets,
-pre-checks and weighted adapters, before any layer exists)."""
+pre-checks, weighted adapters and estimates, before any layer exists)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import copy
 
 from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_target_module_exists
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .tuner.config import NeuroAdaConfig, default_targets
-from .tuner.model import _parameters_without_wrappers
+from .tuner.model import _parameters_without_wrappers, expert_projections
 
 
 def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Module]]:
@@ -22,11 +23,20 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
 
 
 def targeted_parameters(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Parameter]]:
-    """The parameters `config.target_parameters` names in `model`, matched as peft matches them (by full name or
-    name suffix), under their names without peft's wrapper levels."""
-    targets = config.target_parameters or ()
+    """The parameters `config.target_parameters` names in `model` (by default, when neither target is given, its
+    experts' projections, as injection resolves them), matched as peft matches them: by full name or name suffix, but
+    on a module the user parametrized (torch.nn.utils.parametrize) by full name alone, since peft skips the rest of
+    such a module's parameters. Named without peft's wrapper levels."""
+    if config.target_modules is None and config.target_parameters is None:
+        targets = {short for short, _ in expert_projections(model)}
+    else:
+        targets = set(config.target_parameters or ())
+    parametrized = {
+        name.replace(".base_layer", "") for name, m in model.named_modules() if parametrize.is_parametrized(m)
+    }
     return [
         (name, param)
         for name, param in _parameters_without_wrappers(model)
-        if any(name == target or name.endswith(f".{target}") for target in targets)
+        if name in targets
+        or (name.rpartition(".")[0] not in parametrized and any(name.endswith(f".{target}") for target in targets))
     ]

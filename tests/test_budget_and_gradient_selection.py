@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from torch.nn.utils import parametrize
 
 from peft_neuroada import NeuroAdaConfig, k_for_budget, select_by_gradient
 from peft_neuroada.budget import (
@@ -14,7 +16,7 @@ from peft_neuroada.budget import (
     neuroada_parameter_count,
     targeted_shapes,
 )
-from tests.conftest import indices_by_layer, logits, named_neuroada_layers, tiny_llama
+from tests.conftest import indices_by_layer, logits, named_neuroada_layers, tiny_causal_lm, tiny_llama
 
 
 def test_k_for_a_lora_budget_matches_lora_trainable_parameters_on_smollm2(smollm2):
@@ -63,6 +65,52 @@ def test_the_counted_parameters_are_the_ones_the_model_trains(fraction, k):
     shapes = targeted_shapes(model, config)
     trainable, _ = get_peft_model(model, config).get_nb_trainable_parameters()
     assert neuroada_parameter_count(shapes, k, fraction) == trainable
+
+
+class UsersOwnScaling(nn.Module):
+    """A parametrization a user put on a weight (peft adapts such a module's parameters only when named in full)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def trained_and_counted_past_a_parametrization(model: nn.Module, owner: nn.Module, name: str, config) -> tuple:
+    parametrize.register_parametrization(owner, name, UsersOwnScaling())
+    counted = neuroada_parameter_count(targeted_shapes(model, config), config.k)
+    trained, _ = get_peft_model(model, config).get_nb_trainable_parameters()
+    return counted, trained
+
+
+@pytest.mark.filterwarnings("ignore:NeuroAda leaves these projections")
+@pytest.mark.parametrize(
+    "targets",
+    [["experts.gate_up_proj", "experts.down_proj"], ["model.layers.0.mlp.experts.gate_up_proj", "experts.down_proj"]],
+    ids=["by-suffix: the layer is skipped", "by-full-name: it trains"],
+)
+def test_an_expert_stack_the_user_parametrized_counts_only_where_peft_adapts_it(targets):
+    model = tiny_causal_lm("mixtral")
+    config = NeuroAdaConfig(k=2, target_modules=[], target_parameters=targets)
+    counted, trained = trained_and_counted_past_a_parametrization(
+        model, model.model.layers[0].mlp.experts, "gate_up_proj", config
+    )
+    assert counted == trained
+
+
+@pytest.mark.filterwarnings("ignore:NeuroAda leaves these projections")
+def test_k_for_budget_leaves_out_the_expert_stacks_peft_skips_for_a_users_parametrization():
+    """4 experts a layer, two layers: the user's parametrization on layer 0 leaves layer 1's 512 entries per k."""
+    model = tiny_causal_lm("mixtral")
+    parametrize.register_parametrization(model.model.layers[0].mlp.experts, "gate_up_proj", UsersOwnScaling())
+    config = NeuroAdaConfig(target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    total = sum(p.numel() for p in model.parameters())
+    assert k_for_budget(model, config, percent=100 * 3 * 4 * (96 + 32) / total) == 3
+
+
+def test_on_smollm2_a_weight_the_user_parametrized_is_not_counted(smollm2):
+    config = NeuroAdaConfig(k=2, target_modules=[], target_parameters=["self_attn.q_proj.weight"])
+    owner = smollm2.model.layers[0].self_attn.q_proj
+    counted, trained = trained_and_counted_past_a_parametrization(smollm2, owner, "weight", config)
+    assert counted == trained == 29 * 576 * 2
 
 
 @pytest.mark.parametrize("budgets", [{}, {"lora_rank": 2, "percent": 1.0}], ids=["none", "both"])
