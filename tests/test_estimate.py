@@ -1,7 +1,7 @@
 """`neuroada estimate`: a run's memory per method from the model's config alone. What it counts from shapes
 (trainable parameters, the adapter's tensors, gradients, AdamW's state) equals what a real run allocates, what it
-traces (what backward keeps) equals what autograd saves, and its totals come within 10% of the peaks measured by
-benchmarks/train_cost.py (docs/study/memory-*.json)."""
+traces (what backward keeps) equals what autograd saves, and the growth it adds over the weights comes within 12% of
+the peak growth measured by benchmarks/train_cost.py (docs/study/memory-*.json)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, BertConfig
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.train.estimate import Estimator, estimate, weight_bytes
+from peft_neuroada.train.estimate import ADAMW_IMPLEMENTATIONS, Estimator, estimate, weight_bytes
 from peft_neuroada.train.models import load_default_model
 from tests.conftest import tiny_llama
 
@@ -91,6 +91,28 @@ def test_mask_based_and_full_fine_tuning_count_dense_gradients_and_state_in_the_
     assert (full.trainable, full.gradients, full.optimizer) == (everything, 2 * everything, 4 * everything)
 
 
+def test_the_mask_baseline_moves_with_its_mask_storage_its_moments_dtype_and_the_adamw_implementation() -> None:
+    """The choices the paper does not state, each by exactly what it stores: the mask's bytes per entry, AdamW's two
+    moments per trained entry, and the step's temporaries (foreach: a copy of every second moment; for-loop: two of
+    the largest; fused: none)."""
+    config = tiny_llama().config
+    per_adamw = {
+        adamw: Estimator(config, torch.bfloat16, 1, 16, None, "cuda", adamw) for adamw in ADAMW_IMPLEMENTATIONS
+    }
+    targets = per_adamw["foreach"].targets
+    entries, largest = sum(w.numel() for w in targets), max(w.numel() for w in targets)
+    bools = per_adamw["foreach"].mask(2)
+    assert per_adamw["foreach"].mask(2, "bfloat16").total - bools.total == entries
+    assert bools.total - per_adamw["foreach"].mask(2, "bit").total == round(entries * 7 / 8)
+    wide = per_adamw["foreach"].mask(2, "bool", torch.float32)
+    assert (wide.optimizer, wide.step_temporaries, wide.gradients) == (8 * entries, 4 * entries, bools.gradients)
+    temporaries = {adamw: estimator.mask(2).step_temporaries for adamw, estimator in per_adamw.items()}
+    assert temporaries == {"foreach": 2 * entries, "for-loop": 2 * 2 * largest, "fused": 0}
+    assert Estimator(config, torch.bfloat16, 1, 16, None, "cpu").adamw == "for-loop"  # torch's default there
+    with pytest.raises(ValueError, match="adamw must be one of"):
+        Estimator(config, torch.bfloat16, 1, 16, None, "cuda", "sgd")
+
+
 def test_on_a_4_bit_base_the_methods_that_train_base_weights_are_refused_and_the_weights_shrink() -> None:
     config = tiny_llama().config
     rows = estimate(config, [1], ["neuroada", "mask", "full"], "bfloat16", quantize="nf4")
@@ -103,10 +125,11 @@ def test_on_a_4_bit_base_the_methods_that_train_base_weights_are_refused_and_the
 
 @pytest.mark.skipif(not MEASURED, reason="no committed memory measurements")
 @pytest.mark.parametrize("measured_file", MEASURED, ids=[path.stem for path in MEASURED])
-def test_the_estimate_comes_within_ten_percent_of_every_measured_peak(measured_file: Path) -> None:
-    """The measured peak is the loaded weights plus the peak growth train_cost.py saw in RSS (CPU) or
-    max_memory_allocated (CUDA); the estimate is for the same model, dtype, batch and device, as memory_figures.py
-    tabulates them in docs/results.md."""
+def test_the_estimate_comes_within_twelve_percent_of_every_measured_growth(measured_file: Path) -> None:
+    """What is measured is the peak growth over the loaded weights train_cost.py saw in RSS (CPU) or
+    max_memory_allocated (CUDA); the weights are counted, not measured, so the estimate is held to the growth alone
+    (its total less the base weights), for the same model, dtype, batch and device, as memory_figures.py tabulates
+    them in docs/results.md."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         memory_figures = importlib.import_module("memory_figures")
@@ -115,9 +138,10 @@ def test_the_estimate_comes_within_ten_percent_of_every_measured_peak(measured_f
     rows = [row for row in memory_figures.rows_of(json.loads(measured_file.read_text())) if row["estimate"]]
     assert len(rows) == 6, "the frozen floor, NeuroAda k=1 and k=20, mask-based, LoRA and full fine-tuning"
     for row in rows:
-        assert abs(row["estimate"] - row["peak"]) <= 0.10 * row["peak"], (
+        estimated_growth = row["estimate"] - row["base"]
+        assert abs(estimated_growth - row["growth"]) <= 0.12 * row["growth"], (
             row["variant"],
-            row["estimate"] / row["peak"],
+            estimated_growth / row["growth"],
         )
 
 

@@ -30,7 +30,14 @@ from ..tuner.config import DTYPES, NeuroAdaConfig
 from ..tuner.index_storage import to_buffer
 
 METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.ESTIMATE_METHODS spells them out too
-DEVICES = ("cuda", "cpu")  # where AdamW steps: its temporaries differ (Estimator._estimate)
+DEVICES = ("cuda", "cpu")  # where AdamW steps: torch's default implementation differs (Estimator.adamw)
+# torch's AdamW implementations, by the temporaries their step allocates (Estimator._estimate): "foreach" (CUDA's
+# default) one square root of every second moment at once; "for-loop" (the CPU's) a square root and its quotient of
+# one tensor at a time; "fused" (`fused=True`) none.
+ADAMW_IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
+# Bytes per entry of a targeted weight for mask-based tuning's mask: a torch.bool tensor; packed bits; a tensor in
+# the weight's own dtype, 2 bytes in bf16, as the paper code builds it (`torch.ones_like(weight)`, select_para.py).
+MASK_BYTES = {"bool": 1.0, "bit": 1 / 8, "bfloat16": 2.0}
 ADAPTER_DTYPE = torch.float32  # peft keeps an adapter of a 16-bit model in float32 (`autocast_adapter_dtype`)
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each the size and dtype of its parameter
 # bitsandbytes' NF4 with double quantization: 4 bits a weight, an 8-bit absmax per block of 64 and a float32 absmax
@@ -176,11 +183,15 @@ class Estimator:
         seq: int,
         quantize: str | None = None,
         device: str = "cuda",
+        adamw: str | None = None,
     ) -> None:
         self.model, self.batch, self.seq, self.quantize = meta_model(config, dtype), batch, seq, quantize
         if device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+        if adamw is not None and adamw not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(f"adamw must be one of {', '.join(ADAMW_IMPLEMENTATIONS)}, not {adamw!r}")
         self.device = device
+        self.adamw = adamw or ("foreach" if device == "cuda" else "for-loop")  # torch's default on that device
         self.weights = weight_bytes(self.model, quantize)
         self.targets = [module.weight for _, module in targeted_modules(self.model, NeuroAdaConfig())]
         self.shapes = targeted_shapes(self.model, NeuroAdaConfig())
@@ -193,15 +204,26 @@ class Estimator:
         with trained(parameters):
             return saved_bytes(self.model, self.batch, self.seq)
 
-    def _estimate(self, method: str, trainable: int, own: int, trained: list[int], saved: int) -> Estimate:
-        """`own`: the adapter's tensors; `trained`: the bytes of each tensor AdamW updates (the size of its gradient,
-        and of each of AdamW's two states for it)."""
-        total = sum(trained)
-        # torch's AdamW on CUDA updates all tensors at once (foreach: one square-root copy of every second moment);
-        # on the CPU one tensor at a time (a square root and its quotient of the largest tensor).
-        temporaries = total if self.device == "cuda" else 2 * max(trained, default=0)
+    def _estimate(
+        self, method: str, trainable: int, own: int, trained: list[int], saved: int, moments: list[int] | None = None
+    ) -> Estimate:
+        """`own`: the adapter's tensors; `trained`: the bytes of each tensor AdamW updates (the size of its gradient);
+        `moments`: the bytes of each of AdamW's two states for it (by default, as its gradient)."""
+        moments = trained if moments is None else moments
+        temporaries = {
+            "foreach": sum(moments),  # one square-root copy of every second moment at once
+            "for-loop": 2 * max(moments, default=0),  # a square root and its quotient of the largest tensor
+            "fused": 0,
+        }[self.adamw]
         return Estimate(
-            method, trainable, self.weights + own, total, ADAMW_STATES * total, saved, self.loss_gradient, temporaries
+            method,
+            trainable,
+            self.weights + own,
+            sum(trained),
+            ADAMW_STATES * sum(moments),
+            saved,
+            self.loss_gradient,
+            temporaries,
         )
 
     def frozen(self) -> Estimate:
@@ -237,14 +259,17 @@ class Estimator:
         factors = [parameter.numel() * parameter.element_size() for parameter in parameters]
         return self._estimate(f"LoRA r={rank} (k={k}'s budget)", trainable, sum(factors), factors, saved)
 
-    def mask(self, k: int) -> Estimate:
-        """Mask-based sparse tuning of NeuroAda's k entries: the targeted weights train whole, their gradients and
-        optimizer state dense in the model's dtype, the mask applied to the gradient."""
+    def mask(self, k: int, storage: str = "bool", moments: torch.dtype | None = None) -> Estimate:
+        """Mask-based sparse tuning of NeuroAda's k entries: the targeted weights train whole, their gradients dense
+        in the model's dtype, the mask (`storage`, a key of MASK_BYTES) applied to the gradient; AdamW's state dense
+        in `moments` (by default the model's dtype, as torch's AdamW keeps it; float32 as mixed-precision optimizers
+        keep it, their float32 master weights not counted)."""
         self._refuse_quantized("mask-based tuning")
         dense = [weight.numel() * weight.element_size() for weight in self.targets]
-        masks = sum(weight.numel() for weight in self.targets)  # one bool per entry
+        state = dense if moments is None else [weight.numel() * moments.itemsize for weight in self.targets]
+        masks = round(MASK_BYTES[storage] * sum(weight.numel() for weight in self.targets))
         trainable = neuroada_parameter_count(self.shapes, k)
-        return self._estimate(f"mask-based k={k}", trainable, masks, dense, self._saved(self.targets))
+        return self._estimate(f"mask-based k={k}", trainable, masks, dense, self._saved(self.targets), state)
 
     def full(self) -> Estimate:
         self._refuse_quantized("full fine-tuning")
