@@ -45,8 +45,7 @@ class WeightedAdapters(BaseTuner):
             if isinstance(wrapper, ModulesToSaveWrapper) and any(name in wrapper.modules_to_save for name in adapters)
         ]
         active = copy.copy(self.active_adapter)
-        modules = {name for name, layer in layers.items() if not isinstance(layer, ParamWrapper)}
-        self.peft_config[adapter_name] = self._config_for_layers(configs, modules)
+        self.peft_config[adapter_name] = self._config_for_layers(configs, adapters, layers)
         try:
             self.inject_adapter(self.model, adapter_name)
             for layer in layers.values():
@@ -101,13 +100,30 @@ class WeightedAdapters(BaseTuner):
                 )
         return None
 
-    def _config_for_layers(self, sources: list[NeuroAdaConfig], layer_names: set[str]) -> NeuroAdaConfig:
-        """The first source's config with every source's `modules_to_save`, targeting exactly the modules
-        `layer_names` (by its own targets where they do, else by the layers' names) and the parameters the sources
-        target (peft refuses adapters whose `target_parameters` differ)."""
+    def _config_for_layers(
+        self, sources: list[NeuroAdaConfig], adapters: list[str], layers: dict[str, NeuroAdaLayer]
+    ) -> NeuroAdaConfig:
+        """The first source's config with every source's `modules_to_save`, so that whichever source comes first the
+        weighted adapter is the same: it targets exactly the modules of `layers` (by the config's own targets where
+        they do, else by the layers' names) and the parameters any source targets (the sources that target parameters
+        all target the same ones, as the tuner requires; `target_parameters=[]` names none), and where the sources'
+        deltas differ in dtype it keeps its deltas in the widest of them."""
         config = copy.deepcopy(sources[0])
+        config.target_parameters = next(
+            (list(source.target_parameters) for source in sources if source.target_parameters),
+            config.target_parameters,
+        )
+        dtypes = {
+            layer.neuroada_delta[name].dtype
+            for layer in layers.values()
+            for name in adapters
+            if name in layer.neuroada_delta
+        }
+        if len(dtypes) > 1:
+            config.delta_dtype = str(functools.reduce(torch.promote_types, dtypes)).removeprefix("torch.")
         saved = [module for source in sources for module in source.modules_to_save or ()]
         config.modules_to_save = list(dict.fromkeys(saved)) or None
+        layer_names = {name for name, layer in layers.items() if not isinstance(layer, ParamWrapper)}
         inside_layers = tuple(f"{name}." for name in layer_names)
         targeted = {name for name, _ in targeted_modules(self.model, config) if not name.startswith(inside_layers)}
         if targeted != layer_names:
@@ -132,7 +148,7 @@ class WeightedLayer:
 
     def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
         """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
-        in at least float32, stored in the first source's dtype (adapters this layer lacks add nothing)."""
+        in at least float32, stored in the new adapter's own dtype (adapters this layer lacks add nothing)."""
         sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
         deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
         dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
@@ -141,5 +157,5 @@ class WeightedLayer:
         self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
         if first in self.neuroada_rows:
             self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
-        requires_grad = self.neuroada_delta[adapter_name].requires_grad
-        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(deltas[0].dtype), requires_grad=requires_grad)
+        own = self.neuroada_delta[adapter_name]
+        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(own.dtype), requires_grad=own.requires_grad)

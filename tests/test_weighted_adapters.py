@@ -32,14 +32,16 @@ def two_adapters(make_model=tiny_llama, second: dict | None = None, **first):
 
 
 def dense_reference(model, make_base, weights: dict[str, float]) -> nn.Module:
-    """A fresh base model whose adapted weights hold base + Σ w · dense delta of each adapter."""
+    """A fresh base model whose adapted weights (layers' and expert stacks') hold base + Σ w · dense delta of each
+    adapter."""
     reference = make_base()
     with torch.no_grad():
         for name, layer in named_neuroada_layers(model).items():
-            base = reference.get_submodule(name.removeprefix("base_model.model."))
+            base = reference.get_submodule(name.removeprefix("base_model.model.").replace(".base_layer", ""))
+            adapted = getattr(base, layer.parameter_name) if isinstance(layer, ParamWrapper) else base.weight
             for adapter, weight in weights.items():
                 if adapter in layer.neuroada_delta:
-                    base.weight += weight * layer.get_delta_weight(adapter)
+                    adapted += weight * layer.get_delta_weight(adapter)
     return reference
 
 
@@ -90,6 +92,58 @@ def test_expert_adapters_combine_in_every_layer_and_every_expert_weight():
         assert torch.equal(layer.placement("mix").cols, layer.placement("one").cols)
         expected = 0.5 * layer.neuroada_delta["one"] - 2.0 * layer.neuroada_delta["two"]
         torch.testing.assert_close(layer.neuroada_delta["mix"], expected)
+
+
+def deltas_of(model, adapter: str) -> dict[str, torch.Tensor]:
+    return {name: layer.neuroada_delta[adapter] for name, layer in named_neuroada_layers(model).items()}
+
+
+def mixed_both_ways(model, first: str, second: str, weights: tuple[float, float]) -> tuple[dict, dict]:
+    """The weighted adapter of `first` and `second` added in one order, then in the other: its deltas each time."""
+    model.add_weighted_adapter([first, second], list(weights), "ab")
+    model.add_weighted_adapter([second, first], list(weights[::-1]), "ba")
+    return deltas_of(model, "ab"), deltas_of(model, "ba")
+
+
+def test_an_adapter_without_experts_combines_with_an_expert_adapter_in_either_order():
+    """The first source naming no expert (`target_parameters=[]`) still gets the other's experts in the sum."""
+    model = two_adapters(lambda: tiny_causal_lm("mixtral"), second={"target_parameters": []})
+    forward, reverse = mixed_both_ways(model, "two", "one", (-2.0, 0.5))
+    assert forward.keys() == reverse.keys() == deltas_of(model, "one").keys()
+    assert all(torch.equal(forward[name], reverse[name]) for name in forward)
+    assert model.peft_config["ba"].target_parameters == model.peft_config["one"].target_parameters
+    tokens = TOKENS % 100  # the MoE models' vocabulary
+    expected = logits(dense_reference(model, lambda: tiny_causal_lm("mixtral"), {"one": 0.5, "two": -2.0}), tokens)
+    for mix in ("ab", "ba"):
+        model.set_adapter(mix)
+        torch.testing.assert_close(logits(model, tokens), expected)
+
+
+def test_sources_of_different_delta_dtypes_combine_in_the_widest_in_either_order():
+    model = two_adapters(delta_dtype="bfloat16")
+    forward, reverse = mixed_both_ways(model, "one", "two", (0.3, 0.7))
+    assert all(torch.equal(forward[name], reverse[name]) for name in forward)
+    assert {delta.dtype for delta in forward.values()} == {torch.float32}
+    assert model.peft_config["ab"].delta_dtype == model.peft_config["ba"].delta_dtype == "float32"
+    for name, layer in named_neuroada_layers(model).items():
+        expected = 0.3 * layer.neuroada_delta["one"].float() + 0.7 * layer.neuroada_delta["two"]
+        torch.testing.assert_close(forward[name], expected)
+
+
+def test_smollm2_adapters_on_a_layer_and_on_a_parameter_combine_in_either_order(smollm2):
+    torch.manual_seed(0)
+    attention = NeuroAdaConfig(k=1, init_weights=False, target_modules=["q_proj"], target_parameters=[])
+    model = get_peft_model(smollm2, attention, "attention")
+    mlp = NeuroAdaConfig(k=1, init_weights=False, target_modules=[], target_parameters=["mlp.down_proj.weight"])
+    model.add_adapter("mlp", mlp)
+    forward, reverse = mixed_both_ways(model, "attention", "mlp", (0.7, 0.3))
+    assert len(forward) == len(reverse) == 2 * 30
+    assert all(torch.equal(forward[name], reverse[name]) for name in forward)
+    tokens = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(0))
+    model.set_adapter("ab")
+    by_forward = logits(model, tokens)
+    model.set_adapter("ba")
+    assert torch.equal(logits(model, tokens), by_forward)
 
 
 def test_weight_one_for_both_equals_the_two_adapters_active_together():
