@@ -90,6 +90,8 @@ class WeightedAdapters(BaseTuner):
                 "Cannot add weighted adapters if they target the same module with modules_to_save, but found "
                 f"{shared} such instance(s)."
             )
+        if refusal := self._layer_and_parameter_refusal(adapters):
+            return refusal
         for name, layer in self.model.named_modules():
             if isinstance(layer, NeuroAdaLayer) and (conflict := layer.placement_conflict(adapters)):
                 return (
@@ -99,6 +101,28 @@ class WeightedAdapters(BaseTuner):
                     "(`model.base_model.set_adapter([...])`), which adds them at weight 1."
                 )
         return None
+
+    def _layer_and_parameter_refusal(self, adapters: list[str]) -> str | None:
+        """Why no one adapter can hold the sources, where one adapts a module as a layer and another a parameter of
+        that module (peft wraps a module's parameter only when no adapter targets the module itself), or None."""
+        as_layers: dict[str, str] = {}
+        as_parameters: dict[str, tuple[str, str]] = {}
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, NeuroAdaLayer) and (holders := [a for a in adapters if a in layer.neuroada_delta]):
+                module = name.replace(".base_layer", "")
+                if isinstance(layer, ParamWrapper):
+                    as_parameters.setdefault(module, (holders[0], layer.parameter_name))
+                else:
+                    as_layers.setdefault(module, holders[0])
+        if not (both := sorted(as_layers.keys() & as_parameters.keys())):
+            return None
+        adapter, parameter = as_parameters[both[0]]
+        return (
+            f"Cannot combine NeuroAda adapters into one at '{both[0]}': adapter '{as_layers[both[0]]}' adapts it as a "
+            f"layer (target_modules) and adapter '{adapter}' its parameter '{parameter}' (target_parameters), and one "
+            "adapter cannot do both. Activate them together instead (`model.base_model.set_adapter([...])`), which "
+            "adds them at weight 1."
+        )
 
     def _config_for_layers(
         self, sources: list[NeuroAdaConfig], adapters: list[str], layers: dict[str, NeuroAdaLayer]

@@ -282,6 +282,21 @@ def both_save_the_same_module() -> tuple:
     return model, ["one", "two"], [1.0, 1.0], "mix", {}
 
 
+def one_as_a_layer_one_as_its_parameter(order: list[str]) -> tuple:
+    """'one' adapts q_proj's weight as a parameter, 'two' q_proj as a layer (around 'one''s wrapper)."""
+    torch.manual_seed(0)
+    weight = NeuroAdaConfig(k=2, target_modules=[], target_parameters=["self_attn.q_proj.weight"])
+    model = get_peft_model(tiny_llama(), weight, "one")
+    model.add_adapter("two", NeuroAdaConfig(k=2, target_modules=["q_proj"], target_parameters=[]))
+    return model, order, [1.0, 1.0], "mix", {}
+
+
+A_LAYER_AND_ITS_PARAMETER = (
+    r"at 'model\.layers\.0\.self_attn\.q_proj': adapter 'two' adapts it as a layer \(target_modules\) and adapter "
+    r"'one' its parameter 'weight'"
+)
+
+
 REFUSALS = {
     "different-indices": (
         different_indices,
@@ -294,6 +309,14 @@ REFUSALS = {
     "nan-weight": (nan_weight, r"needs finite weights \(got \[nan, 1\.0\]\)"),
     "existing-name": (existing_name, "Adapter with name 'two' already exists"),
     "source-trains-biases": (source_trains_biases, "Cannot weight adapter 'one': it trains biases"),
+    "a-layer-and-its-parameter": (
+        lambda: one_as_a_layer_one_as_its_parameter(["two", "one"]),
+        A_LAYER_AND_ITS_PARAMETER,
+    ),
+    "a-parameter-and-its-layer": (
+        lambda: one_as_a_layer_one_as_its_parameter(["one", "two"]),
+        A_LAYER_AND_ITS_PARAMETER,
+    ),
     "same-module-saved-twice": (
         both_save_the_same_module,
         r"Cannot add weighted adapters if they target the same module with modules_to_save, but found 1 such",
