@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from peft.tuners._buffer_dict import BufferDict
 
-from .loading import buffer_problem, index_problem
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
 from .tuner import experts, layer
 from .tuner.index_storage import from_buffer
 from .tuner.model import MixedBatch
 from .tuner.placement import Placement
+from .tuner.state_checks import placement_problem
 from .weighted_adapters import WeightedLayer
 
 # The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
@@ -88,7 +88,7 @@ class PluginLayer(WeightedLayer):
         if kept is None or kept[2] != state:
             # (the tensors stay in the entry, so an id in `state` is never reused while it is kept)
             with torch.inference_mode(False):  # views made in inference mode would have no version counter
-                if problem := self.placement_problem(shape, buffer, rows):
+                if problem := placement_problem(self, shape, buffer, rows):
                     raise ValueError(
                         f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': {problem}. They "
                         "were loaded or changed after the adapter was made (load_state_dict or a checkpoint resume "
@@ -106,21 +106,6 @@ class PluginLayer(WeightedLayer):
         merge record must stay)."""
         super().delete_adapter(adapter_name)
         vars(self).get("_placements", {}).pop(adapter_name, None)
-
-    def placement_problem(
-        self, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None
-    ) -> str | None:
-        """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of
-        `shape` in this layer ("its neuroada_indices ..."), or None."""
-        if buffer is not None:
-            problem = buffer_problem(buffer, shape, self.in_features)
-            if problem := problem or index_problem(from_buffer(buffer, shape), self.in_features):
-                return f"its neuroada_indices {problem}"
-        if rows is not None:
-            problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
-            if problem := problem or index_problem(rows, self.out_features, "neuroada_rows"):
-                return f"its neuroada_rows {problem}"
-        return None
 
 
 class Linear(PluginLayer, layer.Linear):

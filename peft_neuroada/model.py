@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
@@ -19,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from . import layers
 from .config import NeuroAdaConfig
 from .gradient_selection import select_by_gradient
-from .loading import check_saved_deltas, check_saved_tensors
+from .loading import check_saved_deltas
 from .peft_compat import PeftCompat, without_wrapper_names
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
 from .targets import targeted_modules, targeted_parameters
@@ -142,16 +141,6 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         finally:
             for hook in hooks:
                 hook.remove()
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(
-        cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        for name, module in model.named_modules():
-            if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
-                check_saved_tensors(module, name, adapter_name, remapped)
-        return remapped
 
 
 def _listed(reasons: dict[str, str]) -> str:

@@ -17,9 +17,9 @@ from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from . import safe_io
-from .loading import SAVED_TENSORS, check_layer_state
 from .tuner.experts import ParamWrapper
 from .tuner.layer import NeuroAdaLayer
+from .tuner.state_checks import SAVED_TENSORS
 
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: part of module names, not of
 # state-dict keys (the wrappers' state-dict hooks drop them).
@@ -47,12 +47,10 @@ class PeftCompat(BaseTuner):
     """The BaseTuner methods NeuroAdaModel overrides for generic peft behaviour (mixed in before BaseTuner)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """peft checks adapter tensors only in `set_peft_model_state_dict`; resumes (Trainer, accelerate, DeepSpeed,
-        FSDP) call `load_state_dict` directly. A load pre-hook sees both. The first NeuroAda model routes peft's
-        safetensors calls (every save and load of an adapter makes one first)."""
+        """The first NeuroAda model routes peft's safetensors calls (every save and load of an adapter makes one
+        first)."""
         route_safetensors_calls()
         super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(_check_before_load)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         """peft runs `_pre_injection_hook` before the first adapter only; later ones (`add_adapter`, `load_adapter`)
@@ -153,9 +151,3 @@ def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:
     if bias == "all":
         return [p for n, p in model.named_parameters() if n == "bias" or n.endswith(".bias")]
     return [m.bias for m in model.modules() if isinstance(m, NeuroAdaLayer) and getattr(m, "bias", None) is not None]
-
-
-def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
-    for name, layer in model.named_modules():
-        if isinstance(layer, NeuroAdaLayer):
-            check_layer_state(layer, f"{prefix}{name}", state_dict)

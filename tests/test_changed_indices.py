@@ -72,10 +72,10 @@ def test_columns_written_in_place_are_checked_before_the_next_forward_or_merge(c
     weight = layer.get_base_layer().weight.detach().clone()
     with torch.no_grad():
         change(layer.placement("other").cols)  # a view of the buffer: what a copy_ into it does
-    what = f"adapter 'other' cannot run at layer '{layer.layer_name}': its neuroada_indices .*{message}.*changed after"
-    with pytest.raises(ValueError, match=what):
+    what = f"adapter 'other' .*'{layer.layer_name}': its neuroada_indices .*{message}"
+    with pytest.raises(ValueError, match=f"{what}.*changed after"):
         logits(model, token_batch)
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=f"{what}.*Nothing was written"):
         model.merge_adapter(["default", "other"])
     assert torch.equal(layer.get_base_layer().weight, weight) and not layer.merged
 

@@ -8,9 +8,9 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.loading import saved_columns
 from peft_neuroada.tuner import products
 from peft_neuroada.tuner.index_storage import from_buffer, index_dtype, to_buffer
+from peft_neuroada.tuner.state_checks import saved_columns
 
 
 @pytest.mark.parametrize("shape", [(6, 3), (5, 3), (1, 1), (4, 20)], ids=lambda s: f"{s[0]}x{s[1]}")

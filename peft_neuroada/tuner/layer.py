@@ -23,9 +23,10 @@ from torch import nn
 from . import products
 from .config import DTYPES, NeuroAdaConfig
 from .forward import adapted_linear
-from .index_storage import from_buffer, to_buffer
+from .index_storage import BUFFER_DTYPE, from_buffer, to_buffer
 from .placement import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
+from .state_checks import check_layer_state, placement_problem
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
@@ -138,6 +139,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
         self.in_features, self.out_features = self.in_out_features()
+        self.register_load_state_dict_pre_hook(check_layer_state)  # indices loaded into this layer alone
 
     def in_out_features(self) -> tuple[int, int]:
         """d_in and d_out of the frozen weight (every neuron a row)."""
@@ -225,10 +227,18 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
-        """Where the adapter's deltas sit: its index buffer read as (n, k) columns, and its rows."""
-        delta = self.neuroada_delta[adapter_name]
+        """Where the adapter's deltas sit: its index buffer read as (n, k) columns, and its rows. Their values are
+        checked as they enter (selection, loading, merge); a cast of the buffer, which would read as other columns
+        and costs nothing to see, is refused here."""
+        delta, buffer = self.neuroada_delta[adapter_name], self.neuroada_indices[adapter_name]
         rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        return Placement(from_buffer(self.neuroada_indices[adapter_name], delta.shape), rows)
+        if buffer.dtype != BUFFER_DTYPE or (rows is not None and rows.dtype != BUFFER_DTYPE):
+            raise ValueError(
+                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its index buffers were "
+                f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and would read as other columns. Nothing "
+                "was computed: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter)."
+            )
+        return Placement(from_buffer(buffer, delta.shape), rows)
 
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into its quantized weight (requantized: the base values are gone)."""
@@ -254,6 +264,14 @@ class NeuroAdaLayer(BaseTunerLayer):
         weight = self.weight_out_in()
         if self.quantized() is None and weight.is_meta:
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
+        for name in names:
+            rows = self.neuroada_rows[name] if name in self.neuroada_rows else None
+            shape = self.neuroada_delta[name].shape
+            if problem := placement_problem(self, shape, self.neuroada_indices[name], rows):
+                raise ValueError(
+                    f"Cannot merge NeuroAda adapter '{name}' into '{self.layer_name}': {problem}, so it would write "
+                    "other weight entries. Nothing was written: load the adapter again from its saved files."
+                )
         merged_before = len(self.merged_adapters)
         try:
             with self._weight_writes(weight):

@@ -28,6 +28,7 @@ from .config import (
 )
 from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
+from .state_checks import check_layer_state, check_saved_tensors
 
 
 class MixedBatch(NamedTuple):
@@ -56,6 +57,23 @@ class NeuroAdaModel(BaseTuner):
     prefix: str = PREFIX
     tuner_layer_cls = NeuroAdaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """peft checks adapter tensors only in `set_peft_model_state_dict`; resumes (Trainer, accelerate, DeepSpeed,
+        FSDP) call `load_state_dict` directly. A load pre-hook sees both, and checks every layer before any loads."""
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_check_before_load)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, with the saved tensors checked and saved columns of any layout turned into the layer's buffers."""
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        for name, module in model.named_modules():
+            if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
+                check_saved_tensors(module, name, adapter_name, remapped)
+        return remapped
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """Defaults: the paper's projections the model has, its experts' included."""
@@ -214,6 +232,12 @@ def _parameters_without_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Par
 
 def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
     return args, {**kwargs, "adapter_names": adapter_names}
+
+
+def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+    for name, layer in model.named_modules():
+        if isinstance(layer, NeuroAdaLayer):
+            check_layer_state(layer, state_dict, f"{prefix}{name}.")
 
 
 def _get_encoder(model: nn.Module) -> nn.Module | None:
