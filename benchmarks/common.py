@@ -60,6 +60,20 @@ def best_learning_rate(scores: Mapping[float, float]) -> float:
     return max(sorted(scores), key=lambda rate: scores[rate])
 
 
+def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
+    """Per (family, budget) of a study's records, the rate its sweep chose: the best mean dev accuracy over the sweep
+    seeds (best_learning_rate's rule)."""
+    swept: dict[tuple[str, int], dict[float, list[float]]] = {}
+    for run in runs:
+        if run["phase"] == "sweep":
+            by_rate = swept.setdefault((run["family"], run["size"]), {})
+            by_rate.setdefault(run["learning_rate"], []).append(run["accuracy"])
+    return {
+        budget: best_learning_rate({rate: sum(scores) / len(scores) for rate, scores in by_rate.items()})
+        for budget, by_rate in swept.items()
+    }
+
+
 def machine(gpu: str | None = None) -> dict:
     """The machine a benchmark ran on, recorded with its figures: the CPU's model name, its count, and a GPU's name."""
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []

@@ -27,16 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
 import common  # this checkout's peft_neuroada first
 import torch
-from cost import variants
+from cost import meters, variants
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from peft_neuroada.atomic_file import write_atomically
@@ -99,22 +102,26 @@ def second_largest(rng: random.Random) -> tuple[str, str]:
     return f"second({','.join(map(str, numbers))})=", str(sorted(numbers)[-2])
 
 
+def draw_questions(salt: str, count: int) -> list[tuple[str, str]]:
+    """`count` distinct questions of the generated task, the same for the same salt on every machine."""
+    rng, drawn = random.Random(salt), {}
+    while len(drawn) < count:
+        prompt, answer = second_largest(rng)
+        drawn[prompt] = answer
+    return list(drawn.items())
+
+
 class GeneratedTask:
     """The CPU study's task: fixed dev and test questions; training examples drawn per seed, never one of them."""
 
     def __init__(self, settings: Settings, tokenizer: PreTrainedTokenizerBase) -> None:
         self.settings, self.tokenizer, self.collate = settings, tokenizer, training_collator(tokenizer)
-        self.asked = {"dev": self._questions("dev", settings.dev_questions)}
-        self.asked["test"] = self._questions("test", settings.test_questions)
+        self.asked = {"dev": self.questions("dev", settings.dev_questions)}
+        self.asked["test"] = self.questions("test", settings.test_questions)
         self.held_out = {prompt for asked in self.asked.values() for prompt, _ in asked}
 
-    @staticmethod
-    def _questions(split: str, count: int) -> list[tuple[str, str]]:
-        rng, drawn = random.Random(f"study-{split}"), {}
-        while len(drawn) < count:
-            prompt, answer = second_largest(rng)
-            drawn[prompt] = answer
-        return list(drawn.items())
+    def questions(self, split: str, count: int) -> list[tuple[str, str]]:
+        return draw_questions(f"study-{split}", count)
 
     def batches(self, seed: int) -> Iterator[dict]:
         rng = random.Random(f"study-train-{seed}")
@@ -242,12 +249,15 @@ def load_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTra
         model, _ = load_base_model("default", settings.dtype, "paper" if settings.task == "commonsense" else "lenient")
     else:
         model = LlamaForCausalLM(variants.llama_config(len(tokenizer), 64, 128, 2, 4, 2, 128))
-    return model.to(settings.device)
+    return model.to(settings.device, getattr(torch, settings.dtype))
 
 
 class Study:
     """One results file: the settings its runs share and one record per finished run, rewritten after each run.
     A run already recorded is not run again; a file made with other settings is refused."""
+
+    families: dict[str, Family] = FAMILIES
+    isolated = False  # each run in a fresh process (`_train_and_score`), so that its peak memory is its own
 
     def __init__(self, path: Path, settings: Settings) -> None:
         self.path, self.settings = path, settings
@@ -288,10 +298,24 @@ class Study:
         return run
 
     def _train_and_score(self, family: str, size: int, learning_rate: float, seed: int, split: str) -> dict:
+        """One run, recorded with its loss at every step and the median process CPU time of a step; a study whose
+        runs are `isolated` runs each in a fresh process and records its peak memory too."""
+        if not self.isolated:
+            return self._train_here(family, size, learning_rate, seed, split)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            where = (type(self), self.arguments(), torch.get_num_threads())
+            return pool.submit(train_alone, *where, family, size, learning_rate, seed, split).result()
+
+    def arguments(self) -> tuple:
+        """What this study was made with: a fresh process makes it again from them (`train_alone`)."""
+        return self.path, self.settings
+
+    def _train_here(self, family: str, size: int, learning_rate: float, seed: int, split: str) -> dict:
         settings = self.settings
         set_seed(seed)
-        model, trainable, _ = FAMILIES[family].build(load_model(settings, self.tokenizer), size, seed)
-        tuned = FAMILIES[family].tuned(trainable, size)
+        model, trainable, _ = self.families[family].build(load_model(settings, self.tokenizer), size, seed)
+        tuned = self.families[family].tuned(trainable, size)
         optimizer = torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
         warmup = max(1, round(settings.warmup * settings.steps))
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -299,48 +323,88 @@ class Study:
         )
         batches = self.task.batches(seed)
         model.train()
+        meters.fault_in(model)  # weights mapped from their file are resident before the baseline
+        baseline, losses, step_seconds = meters.rss_bytes(), [], []
+        meters.reset_peak_rss()
         started = time.perf_counter()
         for _ in range(settings.steps):
+            step_started = time.process_time()
             loss = model(**{name: tensor.to(settings.device) for name, tensor in next(batches).items()}).loss
             loss.backward()
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
+            losses.append(round(loss.item(), 4))
+            step_seconds.append(time.process_time() - step_started)
         seconds = time.perf_counter() - started
+        peak_growth = meters.peak_rss_bytes() - baseline
         model.eval()
         accuracy, correct = self.task.score(model, split)
-        return {
+        record = {
             "trainable": tuned,
             "accuracy": accuracy,
             "questions": len(correct),
             "answered": "".join("1" if answered else "0" for answered in correct),
-            "final_loss": loss.item(),
+            "final_loss": losses[-1],
             "train_seconds": round(seconds, 1),
+            "losses": losses,
+            "step_cpu_seconds": round(statistics.median(step_seconds[1:] or step_seconds), 3),
         }
+        # In a process that ran other runs before, the allocator's cached memory would hide part of the growth.
+        return record | ({"peak_growth_bytes": peak_growth} if self.isolated else {})
+
+    def sweep_seeds(self) -> tuple[int, ...]:
+        """The seeds every rate of a sweep trains with; their mean dev accuracy scores the rate."""
+        return (self.settings.sweep_seed,)
+
+    def first_rates(self, family: str, size: int) -> list[float]:
+        """The grid a budget's sweep starts from: its family's four half-decade rates."""
+        return list(self.families[family].learning_rates)
+
+    def beyond(self, rate: float, step: int) -> float | None:
+        """The next rate past a grid's edge, a half-decade step up (step 1) or down (-1); None past the ladder."""
+        index = LADDER.index(rate) + step
+        return LADDER[index] if 0 <= index < len(LADDER) else None
 
     def learning_rate(self, family: str, size: int) -> float:
-        """This budget's sweep: the rate that scores best on the dev questions (the smaller one on a tie), the grid
-        extended by a half-decade step while the best rate sits on its edge."""
+        """This budget's sweep: the rate that scores best on the dev questions (mean over the sweep seeds; the
+        smaller rate on a tie), the grid extended a step while the best rate sits on its edge."""
         scores: dict[float, float] = {}
-        rates = list(FAMILIES[family].learning_rates)
+        rates = self.first_rates(family, size)
         while rates:
             for rate in rates:
-                scores[rate] = self.run("sweep", family, size, rate, self.settings.sweep_seed)["accuracy"]
+                runs = [self.run("sweep", family, size, rate, seed) for seed in self.sweep_seeds()]
+                scores[rate] = statistics.mean(run["accuracy"] for run in runs)
             best = common.best_learning_rate(scores)
             step = -1 if best == min(scores) else 1 if best == max(scores) else 0
-            beyond = LADDER.index(best) + step
             alone = list(scores.values()).count(scores[best]) == 1  # a tie is no direction to go in
-            rates = [LADDER[beyond]] if step and alone and 0 <= beyond < len(LADDER) else []
+            further = self.beyond(best, step) if step and alone else None
+            rates = [further] if further is not None else []
         return best
 
     def run_all(self, families: list[str], smallest_and_largest: bool = False, only: set[int] | None = None) -> None:
         for family in families:
-            sizes = FAMILIES[family].sizes
+            sizes = self.families[family].sizes
             sizes = sorted({sizes[0], sizes[-1]}) if smallest_and_largest else sizes
             for size in [size for size in sizes if only is None or size in only]:
                 learning_rate = self.learning_rate(family, size)
                 for seed in self.settings.test_seeds:
                     self.run("test", family, size, learning_rate, seed)
+
+
+def train_alone(
+    kind: type[Study],
+    arguments: tuple,
+    threads: int,
+    family: str,
+    size: int,
+    learning_rate: float,
+    seed: int,
+    split: str,
+) -> dict:
+    """One run of `kind`'s study in this (fresh) process: what an isolated study's `_train_and_score` runs."""
+    torch.set_num_threads(threads)
+    return kind(*arguments)._train_here(family, size, learning_rate, seed, split)
 
 
 def main(argv: list[str] | None = None) -> None:

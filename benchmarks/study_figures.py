@@ -23,12 +23,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file-only backend)
 
 STUDY = common.REPO_ROOT / "docs" / "study"
+# Per family, in the figures' order: how its legend names it and its budgets.
 LABELS = {
-    "neuroada": "NeuroAda (k = 1, 2, 5, 20)",
-    "lora": "LoRA (r = 1, 3, 10: nearest NeuroAda's k = 2, 5, 20)",
-    "shira": "SHiRA (r = 1, 3, 10)",
-    "supertuning": "Super-Tuning (NeuroAda's k = 1, 2, 5, 20 budgets)",
-    "mask": "mask-based (NeuroAda's k = 20 entries, dense gradients)",
+    "neuroada": "NeuroAda (k = {sizes})",
+    "lora": "LoRA (r = {sizes}: nearest NeuroAda's budgets)",
+    "shira": "SHiRA (r = {sizes})",
+    "supertuning": "Super-Tuning (NeuroAda's k = {sizes} budgets)",
+    "mask": "mask-based (NeuroAda's k = {sizes} entries, dense gradients)",
     "full": "full fine-tuning",
 }
 TASKS = {"second_largest": "second largest of four numbers", "commonsense": "commonsense_15k (ARC-Easy, boolq)"}
@@ -37,13 +38,8 @@ TASKS = {"second_largest": "second largest of four numbers", "commonsense": "com
 MATCHED = 1.25
 
 
-def chosen_rates(runs: list[dict]) -> dict[tuple[str, int], float]:
-    """Per (family, budget), the learning rate study.py chose: the best on the dev questions, the smaller on a tie."""
-    swept: dict[tuple[str, int], dict[float, float]] = {}
-    for run in runs:
-        if run["phase"] == "sweep":
-            swept.setdefault((run["family"], run["size"]), {})[run["learning_rate"]] = run["accuracy"]
-    return {budget: common.best_learning_rate(scores) for budget, scores in swept.items()}
+def label(entries: list[Point]) -> str:
+    return LABELS[entries[0].family].format(sizes=", ".join(str(point.size) for point in entries))
 
 
 def in_budget_order(item: tuple[tuple[str, int], float]) -> tuple[int, int]:
@@ -75,16 +71,20 @@ class Point:
 
 
 def points(runs: list[dict]) -> dict[str, list[Point]]:
-    """Per family, in the order of the budgets: each budget that has test runs at its chosen rate."""
+    """Per family, in the order of the budgets: each budget that has test runs at its chosen rate (its sweep's, or,
+    for a budget that was not swept, the one rate all its test runs share)."""
+    tested: dict[tuple[str, int], dict[float, list[dict]]] = {}
+    for run in runs:
+        if run["phase"] == "test":
+            tested.setdefault((run["family"], run["size"]), {}).setdefault(run["learning_rate"], []).append(run)
+    swept, rates = common.chosen_rates(runs), {}
+    for budget, by_rate in tested.items():
+        if budget in swept or len(by_rate) == 1:
+            rates[budget] = swept.get(budget, next(iter(by_rate)))
     table: dict[str, list[Point]] = {}
-    for (family, size), rate in sorted(chosen_rates(runs).items(), key=in_budget_order):
-        tested = [
-            run
-            for run in runs
-            if (run["phase"], run["family"], run["size"], run["learning_rate"]) == ("test", family, size, rate)
-        ]
-        if tested:
-            table.setdefault(family, []).append(Point(family, size, rate, tuple(sorted(tested, key=seed_of))))
+    for (family, size), rate in sorted(rates.items(), key=in_budget_order):
+        if at_rate := tested[(family, size)].get(rate):
+            table.setdefault(family, []).append(Point(family, size, rate, tuple(sorted(at_rate, key=seed_of))))
     return table
 
 
@@ -138,7 +138,7 @@ def accuracy_figure(table: dict[str, list[Point]], read: list[Paired], settings:
         if family == "full":  # every weight trains: a reference level, not a point hundreds of times further right
             mean, spread = statistics.mean(entries[0].scores), entries[0].spread
             left.axhspan(mean - spread, mean + spread, color="black", alpha=0.08)
-            left.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"{LABELS[family]} (mean ± sd)")
+            left.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"{label(entries)} (mean ± sd)")
             continue
         style = {"marker": "*", "markersize": 12, "linestyle": "none"} if len(entries) == 1 else {"marker": "o"}
         left.errorbar(
@@ -146,7 +146,7 @@ def accuracy_figure(table: dict[str, list[Point]], read: list[Paired], settings:
             [statistics.mean(p.scores) for p in entries],
             yerr=[p.spread for p in entries],
             capsize=3,
-            label=LABELS[family],
+            label=label(entries),
             **style,
         )
     left.set_xscale("log")
@@ -156,8 +156,8 @@ def accuracy_figure(table: dict[str, list[Point]], read: list[Paired], settings:
     left.set_xlabel("trainable parameters (log scale)")
     left.set_ylabel("test accuracy (%)")
     left.set_title(
-        f"SmolLM2-135M, {TASKS[settings['task']]}, {settings['steps']} steps of {settings['batch']}: "
-        f"mean ± sd over {len(settings['test_seeds'])} test seeds",
+        f"SmolLM2-135M ({settings['dtype']}), {TASKS[settings['task']]}, {settings['steps']} steps of "
+        f"{settings['batch']}: mean ± sd over {len(settings['test_seeds'])} test seeds",
         fontsize=9,
     )
     left.grid(True, which="both", alpha=0.3)
@@ -209,7 +209,7 @@ def cost_figure(cost: dict, path: Path) -> None:
 def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]) -> str:
     """The sweeps (dev accuracy per learning rate, the chosen one in bold), the test table and the paired
     differences, for docs/results.md."""
-    rates = chosen_rates(runs)
+    rates = common.chosen_rates(runs)
     rows = ["| method | budget | dev accuracy per learning rate |", "|---|---:|---|"]
     for (family, size), rate in sorted(rates.items(), key=in_budget_order):
         swept = sorted(
@@ -256,20 +256,71 @@ def interval(bounds: tuple[float, float]) -> str:
     return f"[{bounds[0]:+.1f}, {bounds[1]:+.1f}]"
 
 
+def loss_figure(table: dict[str, list[Point]], path: Path) -> None:
+    """The training loss at every step of each budget's test runs (mean over seeds, the band their range), one panel
+    per NeuroAda budget with the peers matched to it: where a budget's spread comes from."""
+    groups: dict[int, list[Point]] = {}
+    for ours, peer in matched_pairs(table):
+        groups.setdefault(ours.size, [ours]).append(peer)
+    figure, panels = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 3.8), squeeze=False)
+    for axes, (size, entries) in zip(panels[0], groups.items(), strict=True):
+        for point in entries:
+            curves = np.array([run["losses"] for run in point.runs])
+            steps = np.arange(1, curves.shape[1] + 1)
+            axes.plot(steps, curves.mean(axis=0), label=f"{point.family} {point.size} (lr {point.learning_rate:.1g})")
+            axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
+        axes.set_yscale("log")
+        axes.set_xlabel("step")
+        axes.set_ylabel("training loss (log scale)")
+        axes.set_title(f"NeuroAda k={size} and its matched peers: mean and range over the test seeds", fontsize=8)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def cost_markdown(table: dict[str, list[Point]]) -> str:
+    """Each budget's accuracy beside what its runs measured of their cost, for a study whose runs ran in fresh
+    processes (their peak RSS growth over the loaded model is their own)."""
+    rows = [
+        "| method | budget | test accuracy, mean ± sd (%) | peak growth, mean (MiB) | CPU s per step, median |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for family, entries in table.items():
+        for p in entries:
+            growth = statistics.mean(run["peak_growth_bytes"] for run in p.runs) / 2**20
+            step = statistics.median(run["step_cpu_seconds"] for run in p.runs)
+            rows.append(
+                f"| {family} | {p.size} | {statistics.mean(p.scores):.1f} ± {p.spread:.1f} | {growth:,.0f} | "
+                f"{step:.2f} |"
+            )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--results", type=Path, default=STUDY / "results.json")
-    parser.add_argument("--cost", type=Path, default=STUDY / "train_cost_smollm2.json")
+    parser.add_argument("--cost", type=Path, help="train_cost.py's JSON (default: the study's, for its results).")
     parser.add_argument("--out", type=Path, default=STUDY, help="The folder the PNG files are written to.")
+    parser.add_argument(
+        "--prefix", default="", help="Put before each PNG file's name (confirm-: confirm-accuracy.png)."
+    )
     args = parser.parse_args(argv)
     study = json.loads(args.results.read_text())
     table = points(study["runs"])
     args.out.mkdir(parents=True, exist_ok=True)
     read = read_pairs(table)
-    accuracy_figure(table, read, study["settings"], args.out / "accuracy.png")
-    if args.cost.exists():
-        cost_figure(json.loads(args.cost.read_text()), args.out / "cost.png")
+    accuracy_figure(table, read, study["settings"], args.out / f"{args.prefix}accuracy.png")
+    runs = [run for entries in table.values() for point in entries for run in point.runs]
+    if all("losses" in run for run in runs):
+        loss_figure(table, args.out / f"{args.prefix}loss.png")
+    cost = args.cost or (STUDY / "train_cost_smollm2.json" if args.results == STUDY / "results.json" else None)
+    if cost is not None:
+        cost_figure(json.loads(cost.read_text()), args.out / f"{args.prefix}cost.png")
     print(markdown(study["runs"], table, read))
+    if all("peak_growth_bytes" in run for run in runs):
+        print("\n" + cost_markdown(table))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from transformers import LlamaForCausalLM
 
+from peft_neuroada.tuner.selection import select_inputs
 from tests.shared_data import shared_datasets
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -168,3 +171,65 @@ def test_the_committed_study_data_draws_the_documented_figures(tmp_path: Path) -
     drawn = subprocess.run(figures, capture_output=True, text=True, timeout=300)
     assert drawn.returncode == 0, drawn.stderr[-3000:]
     assert {path.name for path in tmp_path.glob("*.png")} == {"accuracy.png", "cost.png"}
+
+
+def test_the_confirmatory_runs_sweep_finer_on_two_seeds_and_test_fresh_questions_with_loss_curves(tmp_path) -> None:
+    """study_confirm.py's dry run: NeuroAda k=20 and mask-based k=20 swept at half, once and twice the first study's
+    rate on two new seeds, tested on new seeds and on questions no earlier reading saw, and asked again in bf16,
+    each bf16 run in a fresh process that measures its own peak memory."""
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "study_confirm.py"), "--dry-run", "--threads", "1"]
+    command += ["--results-dir", str(tmp_path), "--families", "neuroada", "mask"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    confirm, common = _benchmark_module("study_confirm"), _benchmark_module("common")
+    first = json.loads((BENCHMARKS.parent / "docs" / "study" / "results.json").read_text())
+    centres, earlier_seeds = common.chosen_rates(first["runs"]), {run["seed"] for run in first["runs"]}
+    saved = json.loads((tmp_path / "confirm.json").read_text())
+    settings, runs = saved["settings"], saved["runs"]
+    for family, size in [("neuroada", 5), ("neuroada", 20), ("mask", 20)]:
+        swept = [run for run in runs if (run["phase"], run["family"], run["size"]) == ("sweep", family, size)]
+        rates = sorted({run["learning_rate"] for run in swept})
+        centre = centres[(family, size)]
+        assert {centre / 2, centre, centre * 2} <= set(rates)
+        assert all(high / low == pytest.approx(2.0) for low, high in zip(rates, rates[1:], strict=False))
+        assert {run["seed"] for run in swept} == {4, 5} and not {4, 5} & earlier_seeds
+        tested = [run for run in runs if (run["phase"], run["family"], run["size"]) == ("test", family, size)]
+        assert sorted(run["seed"] for run in tested) == settings["test_seeds"]
+    assert all(len(run["losses"]) == settings["steps"] == 2 for run in runs)
+    task = confirm.FreshTask(confirm.SETTINGS["float32"], None)
+    assert len(task.asked["test"]) == 512 and not {prompt for prompt, _ in task.asked["test"]} & task.earlier
+    assert len(task.earlier) == 128 + 256
+    bf16 = json.loads((tmp_path / "confirm-bf16.json").read_text())
+    assert (bf16["settings"]["dtype"], bf16["settings"]["delta_dtype"]) == ("bfloat16", "bfloat16")
+    rate = common.chosen_rates(runs)[("neuroada", 20)]
+    assert {(run["family"], run["size"], run["learning_rate"]) for run in bf16["runs"]} == {
+        ("neuroada", 20, rate),
+        ("mask", 20, rate),
+    }
+    assert all(run["peak_growth_bytes"] > 0 and run["step_cpu_seconds"] > 0 for run in bf16["runs"])
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "sweep " not in again.stdout and "test " not in again.stdout, again.stdout
+    for name, prefix in (("confirm.json", "confirm-"), ("confirm-bf16.json", "confirm-bf16-")):
+        figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--results", str(tmp_path / name)]
+        drawn = subprocess.run([*figures, "--out", str(tmp_path), "--prefix", prefix], capture_output=True, text=True)
+        assert drawn.returncode == 0, drawn.stderr[-3000:]
+        assert (tmp_path / f"{prefix}accuracy.png").exists() and (tmp_path / f"{prefix}loss.png").exists()
+        assert "| k=20 | mask 20 |" in drawn.stdout
+    assert "peak growth, mean (MiB)" in drawn.stdout
+
+
+def test_the_mask_based_arm_trains_the_entries_neuroada_selects_ties_included() -> None:
+    """Q4_1-derived weights tie often; the mask-based arm sends equal magnitudes to the lower column, as the tuner's
+    rule does (torch.topk alone leaves their order unspecified), so both arms train the same entries."""
+    variants = _benchmark_module("cost.variants")
+    model = LlamaForCausalLM(variants.llama_config(64, 64, 128, 1, 4, 2, 32))
+    weight = model.model.layers[0].mlp.down_proj.weight  # 64 x 128: magnitudes 0, 1, 2, 3 repeated along each row
+    with torch.no_grad():
+        weight.copy_((torch.arange(weight.shape[1]) % 4).float().expand_as(weight))
+    lowest_of_the_largest = list(range(3, 80, 4))  # 20 of the 32 columns holding 3
+    assert select_inputs(weight, 20).tolist() == [lowest_of_the_largest] * weight.shape[0]
+    _, trained, _ = variants.mask_based(model, 20)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert any(parameter is weight for parameter in trained)
+    assert [row.nonzero().squeeze(1).tolist() for row in weight.grad] == [lowest_of_the_largest] * weight.shape[0]

@@ -31,6 +31,7 @@ from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
 from peft_neuroada.tuner.model import expert_projections
+from peft_neuroada.tuner.selection import select_inputs
 
 # The issue's budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.
 BUDGET_K = 20
@@ -198,12 +199,16 @@ def peft_variant(model: PreTrainedModel, config, label: str) -> Setup:
     return peft_model, [p for p in peft_model.parameters() if p.requires_grad], label
 
 
-def neuroada(k: int) -> Callable[[PreTrainedModel], Setup]:
-    """NeuroAda with k deltas per neuron, on its default forward path."""
+def neuroada(k: int, delta_dtype: str | None = None) -> Callable[[PreTrainedModel], Setup]:
+    """NeuroAda with k deltas per neuron, on its default forward path; deltas in `delta_dtype` (None: peft's choice,
+    float32 on a half-precision base; the paper code keeps them in the model's bf16)."""
 
     def setup(model: PreTrainedModel) -> Setup:
         config = NeuroAdaConfig(
-            k=k, target_modules=module_targets(model), target_parameters=expert_parameters(model) or None
+            k=k,
+            target_modules=module_targets(model),
+            target_parameters=expert_parameters(model) or None,
+            delta_dtype=delta_dtype,
         )
         return peft_variant(model, config, f"neuroada k={k}")
 
@@ -292,13 +297,15 @@ def paper_scatter_add(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
 
 
 def mask_based(model: PreTrainedModel, k: int = BUDGET_K) -> Setup:
-    """Sparse tuning the usual way: dense trainable weights whose gradients are masked to the top-k entries."""
+    """Sparse tuning the usual way: dense trainable weights whose gradients are masked to the top-k entries, chosen
+    by NeuroAda's own rule (`select_inputs`: equal magnitudes go to the lower column, where torch.topk's order is
+    unspecified), so both train the same entries."""
     refuse_experts(model, "Mask-based sparse tuning")
     model.requires_grad_(False)
     params = []
     for _, layer in targeted_linears(model):
         weight = layer.weight
-        mask = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, top_k_columns(weight, k), True)
+        mask = torch.zeros_like(weight, dtype=torch.bool).scatter_(1, select_inputs(weight, k).long(), True)
         weight.requires_grad_(True)
         weight.register_hook(lambda grad, mask=mask: grad * mask)
         params.append(weight)
