@@ -28,6 +28,7 @@ from .config import (
 )
 from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
+from .selection import STRATEGIES
 from .state_checks import check_layer_state, check_saved_tensors
 
 
@@ -68,11 +69,23 @@ class NeuroAdaModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """peft's, with the saved tensors checked and saved columns of any layout turned into the layer's buffers."""
+        """peft's, with the saved tensors checked and saved columns of any layout turned into the layer's buffers;
+        warns when they look selected on another base model (same shapes, other weights), which peft cannot notice."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        for name, module in model.named_modules():
-            if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices:
-                check_saved_tensors(module, name, adapter_name, remapped)
+        elsewhere = [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, NeuroAdaLayer) and adapter_name in module.neuroada_indices
+            if check_saved_tensors(module, name, adapter_name, remapped)
+        ]
+        if elsewhere and config.selection in STRATEGIES:  # (columns re-selected by gradient are the user's choice)
+            more = f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else ""
+            warnings.warn(
+                f"NeuroAda adapter '{adapter_name}' was selected on another base model: at {', '.join(elsewhere[:3])}"
+                f"{more}, most saved input columns are not among those this base's weights select. It loads and runs "
+                "as saved, but was trained on other weights: load it on the base model it was trained on.",
+                stacklevel=2,
+            )
         return remapped
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:

@@ -73,9 +73,12 @@ def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
 
 
-def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, torch.Tensor]) -> None:
+def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, torch.Tensor]) -> bool:
     """Validate a layer's tensors in a saved adapter's `state_dict` (keys `{name}.{attribute}.{adapter}`) as peft
-    loads it, and turn saved index tensors (any layout `saved_columns` reads) into the layer's buffers, in place."""
+    loads it, and turn saved index tensors (any layout `saved_columns` reads) into the layer's buffers, in place.
+    Returns whether the saved columns look chosen on another base: on sampled rows, less than half of them are among
+    the columns this layer just selected on its own base (quantizing a base moves a few, another base nearly all)."""
+    chosen_elsewhere = False
     bounds = {"neuroada_indices": layer.in_features, "neuroada_rows": layer.out_features}
     if f"{name}.neuroada_delta.{adapter}" in state_dict:
         for attribute in bounds:
@@ -109,7 +112,18 @@ def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, to
                     "base model it was trained on, or save it again from the model it was trained in."
                 )
             saved = saved.to(BUFFER_DTYPE)
-            state_dict[key] = to_buffer(saved, layer.in_features) if attribute == "neuroada_indices" else saved
+            if attribute == "neuroada_indices":
+                chosen_elsewhere = _shared_share(saved, expected) < 0.5
+                saved = to_buffer(saved, layer.in_features)
+            state_dict[key] = saved
+    return chosen_elsewhere
+
+
+def _shared_share(saved: torch.Tensor, selected: torch.Tensor, sampled_rows: int = 64) -> float:
+    """The share of saved columns that are among the selected ones, on up to `sampled_rows` rows spread evenly."""
+    rows = torch.linspace(0, len(saved) - 1, min(len(saved), sampled_rows)).long()
+    saved, selected = saved[rows].to(selected.device, torch.long), selected[rows].long()
+    return (saved[:, :, None] == selected[:, None, :]).any(-1).float().mean().item()
 
 
 def _refuse_shape(name: str, attribute: str, saved, expected, fits: str, d_in: int) -> None:

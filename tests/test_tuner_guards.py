@@ -1,0 +1,110 @@
+"""The tuner alone (`peft_neuroada.tuner`, as peft would hold it, without the plugin's layers) guards its indices
+wherever they enter a layer: a state dict loaded into the model or into one layer, and a merge of indices written
+since. Bad indices are refused before anything is loaded or written, on layers and on expert stacks alike. An adapter
+loaded onto another base model with the same shapes loads as saved, with a warning naming the layers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.tuner import config as tuner_config
+from peft_neuroada.tuner import experts, layer
+from peft_neuroada.tuner import model as tuner_model
+from peft_neuroada.tuner.index_storage import to_buffer
+from tests.conftest import tiny_causal_lm, tiny_llama
+
+TARGETS = {
+    "layer": ("llama", "model.layers.0.self_attn.q_proj", {"target_modules": ["q_proj"]}),
+    "experts": (
+        "mixtral",
+        "model.layers.0.mlp.experts",
+        {"target_modules": [], "target_parameters": ["gate_up_proj"]},
+    ),
+}
+BAD_COLUMNS = {
+    "past-the-inputs": (lambda cols, d_in: d_in + 3, "but the layer has only"),
+    "twice-in-a-row": (lambda cols, d_in: int(cols[0, 1]), "a column twice within a neuron's row"),
+    "negative": (lambda cols, d_in: -1, r"range over \[-1, "),
+}
+
+
+def tuner_alone(target: str) -> tuple[tuner_model.NeuroAdaModel, torch.nn.Module]:
+    """A tiny model with the tuner's own model and layers (no plugin class), and the layer under test."""
+    model_type, name, options = TARGETS[target]
+    base = tiny_llama() if model_type == "llama" else tiny_causal_lm(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = tuner_config.NeuroAdaConfig(k=2, init_weights=False, **options)
+        model = tuner_model.NeuroAdaModel(base, config, "default")
+    adapted = model.model.get_submodule(name)
+    assert type(adapted) in (layer.Linear, experts.ParamWrapper)
+    return model, adapted
+
+
+def with_bad_column(model, adapted, change) -> tuple[dict[str, torch.Tensor], str]:
+    """The model's state dict with neuron 0's first column changed, and the key of the changed index buffer."""
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    cols = adapted.placement("default").cols.clone()
+    cols[0, 0] = change(cols, adapted.in_features)
+    key = next(f"{name}.neuroada_indices.default" for name, module in model.named_modules() if module is adapted)
+    state[key] = to_buffer(cols, adapted.in_features)
+    return state, key
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", BAD_COLUMNS)
+def test_the_tuner_alone_refuses_bad_columns_from_a_state_dict_before_anything_loads(target, case):
+    change, message = BAD_COLUMNS[case]
+    model, adapted = tuner_alone(target)
+    state, key = with_bad_column(model, adapted, change)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"Refusing to load adapter 'default' at layer .*{message}.*Nothing"):
+        model.load_state_dict(state)
+    buffer_key = key.rpartition(".neuroada_indices.")[0].removeprefix("model.")
+    with pytest.raises(ValueError, match=message):  # into the layer alone, as a user's own loading would
+        adapted.load_state_dict(
+            {k.removeprefix(f"model.{buffer_key}."): v for k, v in state.items() if buffer_key in k}
+        )
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", BAD_COLUMNS)
+def test_the_tuner_alone_refuses_to_merge_columns_written_since_and_writes_nothing(target, case):
+    change, message = BAD_COLUMNS[case]
+    model, adapted = tuner_alone(target)
+    state, key = with_bad_column(model, adapted, change)
+    with torch.no_grad():
+        adapted.neuroada_indices["default"].copy_(state[key])  # a write no load_state_dict saw
+    weight = adapted.weight_out_in().detach().clone()
+    with pytest.raises(ValueError, match=f"Cannot merge NeuroAda adapter 'default' .*{message}.*Nothing was written"):
+        model.merge_adapter()
+    assert torch.equal(adapted.weight_out_in(), weight) and not adapted.merged
+
+
+def test_the_tuner_alone_refuses_index_buffers_a_conversion_cast_before_computing():
+    model, adapted = tuner_alone("layer")
+    model.model.type(torch.float64)  # casts every tensor, the index buffers too
+    with pytest.raises(ValueError, match="index buffers were converted.*Nothing was computed"):
+        model.model(torch.tensor([[1, 2, 3]]))
+
+
+def test_an_adapter_loaded_on_another_base_with_the_same_shapes_warns_naming_the_layers(smollm2, tmp_path):
+    trained = get_peft_model(smollm2, NeuroAdaConfig(k=2, target_modules=["q_proj", "down_proj"]))
+    trained.save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded = PeftModel.from_pretrained(trained.unload(), tmp_path)  # the base it was trained on: no word
+    assert not [w for w in caught if "another base model" in str(w.message)]
+    torch.manual_seed(0)
+    other = type(smollm2)(smollm2.config).eval()  # same shapes, other weights
+    with pytest.warns(UserWarning, match=r"selected on another base model: at .*q_proj.* and \d+ more"):
+        moved = PeftModel.from_pretrained(other, tmp_path)
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    saved = reloaded.get_submodule(q_proj).placement("default").cols
+    assert torch.equal(moved.get_submodule(q_proj).placement("default").cols, saved)  # loaded as saved
