@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,15 @@ def test_the_step_profile_names_neuroadas_own_ops(tmp_path: Path, quantize, neur
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert neuroada_op in completed.stdout and "Self CPU time total" in completed.stdout
+
+
+def test_the_step_rusage_reports_faults_and_cpu_by_kind_for_the_variant_and_its_paired_floor(tmp_path: Path) -> None:
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "step_rusage.py"), "neuroada-k1", "--model", "tiny"]
+    env = {**os.environ, "PEFT_NEUROADA_CACHE": str(tmp_path / "cache")}
+    completed = subprocess.run(command + ["--steps", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for side in ("variant", "paired floor"):
+        assert re.search(rf"neuroada-k1 {side}: \d+ minor faults, user [\d.]+ s, system [\d.]+ s", completed.stdout)
 
 
 def test_nlu_benchmark_reports_every_method_over_seeds_on_real_boolq_questions(tmp_path: Path) -> None:
