@@ -19,6 +19,18 @@ TRAINING_EXTRA = ("datasets", "yaml", "gguf", "tqdm")
 _SET_HELP = "override a recipe value, e.g. --set training.max_steps=20 --set data.dir=/data (repeatable)"
 
 
+def count(text: str) -> int:
+    """An argument that counts something (k, sequences, tokens): a whole number of at least 1. argparse names the
+    argument in its one-line error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuroada", description="Fine-tune and evaluate NeuroAda (or LoRA) adapters from YAML recipes."
@@ -75,10 +87,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     estimate.add_argument("model", help="a config.json, a model folder, or a hub id (only its config.json is fetched)")
-    estimate.add_argument("--k", type=int, nargs="+", default=[1, 20], help="NeuroAda's k (LoRA at each k's budget)")
+    estimate.add_argument("--k", type=count, nargs="+", default=[1, 20], help="NeuroAda's k (LoRA at each k's budget)")
     estimate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    estimate.add_argument("--batch", type=int, default=1, help="sequences per step")
-    estimate.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    estimate.add_argument("--batch", type=count, default=1, help="sequences per step")
+    estimate.add_argument("--seq", type=count, default=512, help="tokens per sequence")
     estimate.add_argument("--quantize", choices=("nf4",), help="the base loaded in 4 bits (QLoRA's)")
     estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where AdamW steps")
     estimate.add_argument(
