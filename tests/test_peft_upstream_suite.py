@@ -1,214 +1,231 @@
-"""peft's own specifications of a tuner: `tests/test_custom_models.py` from the source release of the installed peft,
-run with NeuroAda cases added to its case tables beside the other tuners' (SHiRA's, Super-Tuning's, ...): once with
-the plugin installed, and once with the tuner alone (`peft_neuroada/tuner/`) dropped into a copy of peft's source tree
-as `peft/tuners/neuroada/`, registered as a peft PR would register it, with the plugin not importable.
+"""The pull request peft would merge, docs/upstream/neuroada.patch, is what benchmarks/upstream_patch.py builds from
+the tuner today, and it works inside peft: applied with `patch -p1` to a clean copy of the installed peft's source
+release, peft's own tests pass for NeuroAda in a process where the plugin cannot be imported (a `peft_neuroada` that
+raises on import shadows the installed one, and its start-up hook is off). No test adds anything to peft's files: the
+NeuroAda rows, `tests/test_neuroada.py` and the registration all come from the patch.
 
-The cases are peft's kind: the generic tables hold no trained-bias cases for any tuner (LoRA with `bias="all"` fails
-the same generic tests, e.g. `test_disable_adapters`, since a trained bias stays when the adapter is disabled);
-peft's bias rule, `test_adding_multiple_adapters_with_bias_raises`, runs for every case. NeuroAda's own bias specs
-are in test_bias.py."""
+What runs: every NeuroAda case of test_custom_models.py, test_config.py (but the three tests that read an adapter
+repository on the Hub) and test_neuroada.py. The test files whose models come from the Hub (decoder, encoder-decoder,
+feature-extraction, sequence-classification) are collected with their NeuroAda cases for every model; those of the
+decoder, feature-extraction and sequence-classification files run on one architecture each, built here from a config
+as a local stand-in for peft's tiny Hub model of that class (`STAND_INS`).
+"""
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import importlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ElementTree
-from importlib.metadata import version
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
-from peft_neuroada.cache import cache_root
-
-PLUGIN_IMPORT = "from peft_neuroada import NeuroAdaConfig\n"
-# In peft's tree: peft's own NeuroAdaConfig, and proof that the plugin is nowhere in the process.
-IN_TREE_IMPORT = """
-import sys
-
-import peft.tuners.neuroada
-from peft import NeuroAdaConfig
-
-assert NeuroAdaConfig.__module__ == "peft.tuners.neuroada.config" and "peft_neuroada" not in sys.modules
-assert peft.tuners.neuroada.__file__.startswith(PEFT_SOURCE_TREE)
-"""
-# Inserted before the first model class, where every case table is defined and no test class has read one yet.
-CASE_TABLES = """
-
-TEST_CASES += [
-    ("Vanilla MLP 1 NeuroAda", "MLP", NeuroAdaConfig, {"k": 1, "target_modules": "lin0"}),
-    ("Vanilla MLP 2 NeuroAda", "MLP", NeuroAdaConfig, {"k": 3, "target_modules": ["lin0"]}),
-    ("Vanilla MLP 3 NeuroAda", "MLP", NeuroAdaConfig, {"k": 2, "target_modules": ["lin1"]}),
-    ("Vanilla MLP 4 NeuroAda", "MLP", NeuroAdaConfig, {"k": 2, "target_modules": ["lin0", "lin1"]}),
-    ("Vanilla MLP 5 NeuroAda", "MLP", NeuroAdaConfig, {"target_modules": ["lin0"], "modules_to_save": ["lin1"]}),
-    ("Embedding + transformers Conv1D 1 NeuroAda", "EmbConv1D", NeuroAdaConfig, {"k": 2, "target_modules": "conv1d"}),
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RUN_FILES = ("tests/test_custom_models.py", "tests/test_config.py", "tests/test_neuroada.py")
+HUB_FILES = (
+    "tests/test_decoder_models.py",
+    "tests/test_encoder_decoder_models.py",
+    "tests/test_feature_extraction_models.py",
+    "tests/test_seq_classifier.py",
+)
+# test_config.py's tests that load an adapter repository from the Hub (no config can stand in for its files).
+HUB_ONLY = [
+    f"tests/test_config.py::TestPeftConfig::{name}"
+    for name in ("test_from_pretrained", "test_from_pretrained_cache_dir", "test_save_pretrained_with_runtime_config")
 ]
-ALL_PEFT_CONFIG_CLASSES = sorted({row[2] for row in TEST_CASES}, key=lambda cls: cls.__name__)
-# k=2 on lin1: its two neurons' largest inputs are hidden units the test inputs never activate.
-MULTIPLE_ACTIVE_ADAPTERS_TEST_CASES += [
-    (
-        "NeuroAda Same",
-        "neuroada",
-        NeuroAdaConfig,
-        {"k": 2, "target_modules": ["lin0"], "init_weights": False},
-        {"k": 2, "target_modules": ["lin0"], "init_weights": False},
+# peft 0.21.2 calls these transformers 5 deprecations for every PreTrainedModel, whatever the method, and its pytest
+# settings turn transformers' FutureWarnings into errors: the decoder tests of LoRA or Super-Tuning fail the same.
+TRANSFORMERS_DEPRECATIONS = (
+    "`is_gradient_checkpointing` is deprecated",
+    "`gradient_checkpointing_enable` is deprecated",
+)
+TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+# Per Hub-model test file, the model its NeuroAda cases run on here: a local stand-in for peft's tiny Hub model of that
+# class, built from a config (the paper's Llama for decoders, BERT for encoders). The encoder-decoder file's cases are
+# collected only: on BART they take about 45 s on a shared 2-core machine, as long as all the others together.
+STAND_INS: dict[str, tuple[str, Callable[[], PreTrainedModel]]] = {
+    "tests/test_decoder_models.py": (
+        "trl-internal-testing/tiny-random-LlamaForCausalLM",
+        lambda: LlamaForCausalLM(LlamaConfig(vocab_size=128, num_key_value_heads=2, **TINY)),
     ),
-    (
-        "NeuroAda Different",
-        "neuroada",
-        NeuroAdaConfig,
-        {"k": 1, "target_modules": ["lin0"], "init_weights": False},
-        {"k": 2, "target_modules": ["lin1"], "init_weights": False},
+    "tests/test_feature_extraction_models.py": (
+        "peft-internal-testing/tiny-random-BertModel",
+        lambda: BertModel(BertConfig(vocab_size=128, **TINY)),
     ),
-]
-
-"""
-MIXED_BATCH_CASES = """
-MIXED_ADAPTER_TEST_CASES += [
-    (
-        "NeuroAda mixed adapter",
-        NeuroAdaConfig(target_modules=["lin0"], init_weights=False),
-        NeuroAdaConfig(target_modules=["lin0"], k=3, init_weights=False),
+    "tests/test_seq_classifier.py": (
+        "peft-internal-testing/tiny-random-BertForSequenceClassification",
+        lambda: BertForSequenceClassification(BertConfig(vocab_size=128, **TINY)),
     ),
-]
-
-"""
-SINGLE_ADAPTER_CASES = [f"Vanilla MLP {i} NeuroAda" for i in range(1, 6)]
-SINGLE_ADAPTER_CASES.append("Embedding + transformers Conv1D 1 NeuroAda")
-ANCHORS = {CASE_TABLES: "\nclass MLP(nn.Module):\n", MIXED_BATCH_CASES: "\nclass TestMixedAdapterBatches:\n"}
-TUNER = Path(__file__).resolve().parents[1] / "peft_neuroada" / "tuner"
-# What a peft PR adds beside the tuner's folder, as peft holds SHiRA: (file, anchor, text put after the anchor).
-REGISTRATION = [
-    ("src/peft/utils/peft_types.py", '    SHIRA = "SHIRA"\n', '    NEUROADA = "NEUROADA"\n'),
-    (
-        "src/peft/tuners/__init__.py",
-        "from .shira import ShiraConfig, ShiraModel\n",
-        "from .neuroada import NeuroAdaConfig, NeuroAdaModel\n",
-    ),
-    ("src/peft/tuners/__init__.py", '    "ShiraModel",\n', '    "NeuroAdaConfig",\n    "NeuroAdaModel",\n'),
-    ("src/peft/__init__.py", "    ShiraModel,\n", "    NeuroAdaConfig,\n    NeuroAdaModel,\n"),
-    ("src/peft/__init__.py", '    "ShiraModel",\n', '    "NeuroAdaConfig",\n    "NeuroAdaModel",\n'),
-    (
-        "src/peft/tuners/neuroada/__init__.py",
-        '__all__ = ["Linear", "NeuroAdaConfig", "NeuroAdaLayer", "NeuroAdaModel", "ParamWrapper"]\n',
-        '\nfrom peft.utils import register_peft_method\n\nregister_peft_method(name="neuroada", '
-        'config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel, prefix="neuroada_")\n',
-    ),
-]
-
-
-def peft_source_release(folder: Path) -> Path:
-    """The installed peft's source release (its tests ship there, not in the wheel), downloaded once per machine."""
-    peft_version = version("peft")
-    archive = folder / f"peft-{peft_version}.tar.gz"
-    if not archive.exists():
-        command = [sys.executable, "-m", "pip", "download", f"peft=={peft_version}", "--no-deps"]
-        fetched = subprocess.run([*command, "--no-binary", ":all:", "-d", str(folder)], capture_output=True, text=True)
-        if fetched.returncode != 0 or not archive.exists():
-            pytest.skip(f"peft {peft_version}'s source release could not be downloaded: {fetched.stderr[-500:]}")
-    return archive
-
-
-def with_neuroada_cases(archive: Path, destination: Path, import_line: str = PLUGIN_IMPORT, parts=("tests",)) -> Path:
-    """peft's `parts` (its tests folder, and its source tree for the drop-in) unpacked into `destination`, its
-    custom-model tables extended by NeuroAda's cases, which import NeuroAdaConfig by `import_line`."""
-    root = archive.name.removesuffix(".tar.gz")
-    with tarfile.open(archive) as release:
-        members = [
-            m for m in release.getmembers() if m.isfile() and m.name.startswith(tuple(f"{root}/{p}/" for p in parts))
-        ]
-        release.extractall(destination, members=members, filter="data")
-    tests = destination / root / "tests"
-    (tests / "__init__.py").touch()  # its modules import each other relatively
-    specs = tests / "test_custom_models.py"
-    import_line = import_line.replace("PEFT_SOURCE_TREE", repr(str(destination / root / "src")))
-    add_beside(specs, {import_line + CASE_TABLES: ANCHORS[CASE_TABLES], MIXED_BATCH_CASES: ANCHORS[MIXED_BATCH_CASES]})
-    return specs
-
-
-def add_beside(path: Path, texts: dict[str, str], before: bool = True) -> None:
-    """Put each text beside its anchor (before it, or after it), which `path` must hold exactly once."""
-    content = path.read_text()
-    for text, anchor in texts.items():
-        assert content.count(anchor) == 1, f"peft's {path.name} has no single {anchor.strip()!r} to add to"
-        content = content.replace(anchor, text + anchor if before else anchor + text)
-    path.write_text(content)
-
-
-def run_neuroada_cases(specs: Path, env: dict[str, str] | None = None) -> list[ElementTree.Element]:
-    """Every NeuroAda case of peft's custom-model specs, run in a fresh interpreter; their JUnit test cases."""
-    report = specs.parent / "report.xml"
-    command = [sys.executable, "-m", "pytest", str(specs), "-k", "NeuroAda", "-q", "-p", "no:cacheprovider"]
-    # peft's own pytest options (coverage) are not for this run; its rootdir makes `tests` a package.
-    command += ["-o", "addopts=", "--rootdir", str(specs.parent.parent), f"--junitxml={report}"]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=specs.parent.parent, env=env)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    return list(ElementTree.parse(report).iter("testcase"))
+}
+CUSTOM_MODEL_CASES = [f"Vanilla MLP {i} NeuroAda" for i in range(1, 6)]
+CUSTOM_MODEL_CASES += ["Vanilla MLP 6 NeuroAda half the neurons", "Embedding + transformers Conv1D 1 NeuroAda"]
 
 
 @pytest.fixture(scope="module")
-def peft_results(tmp_path_factory) -> list[ElementTree.Element]:
-    """Every NeuroAda case of peft's custom-model specs, run in a fresh interpreter; their JUnit test cases."""
-    specs = with_neuroada_cases(peft_release(), tmp_path_factory.mktemp("peft"))
-    return run_neuroada_cases(specs)
-
-
-def peft_release() -> Path:
-    folder = cache_root() / "peft-source"
-    folder.mkdir(parents=True, exist_ok=True)
-    return peft_source_release(folder)
+def upstream_patch():
+    """benchmarks/upstream_patch.py, the script that builds the patch."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("upstream_patch")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
-def in_tree_results(tmp_path_factory) -> list[ElementTree.Element]:
-    """The same cases with the tuner dropped into a copy of peft's source tree, and the plugin not importable: a
-    `peft_neuroada` that raises on import shadows the installed one, and its start-up hook is switched off."""
+def release(upstream_patch) -> Path:
+    try:
+        return upstream_patch.default_release()
+    except FileNotFoundError as error:
+        pytest.skip(f"no source release of the installed peft: {error}")
+
+
+@pytest.fixture(scope="module")
+def patched_tree(upstream_patch, release, tmp_path_factory) -> Path:
+    """A clean copy of the source release with the committed patch applied by `patch -p1`: every file section but
+    the docs toctree's, whose file peft's source release does not ship."""
     scratch = tmp_path_factory.mktemp("peft-tree")
-    specs = with_neuroada_cases(peft_release(), scratch, IN_TREE_IMPORT, parts=("tests", "src"))
-    source = specs.parents[1] / "src"
-    shutil.copytree(TUNER, source / "peft" / "tuners" / "neuroada", ignore=shutil.ignore_patterns("__pycache__"))
-    for file, anchor, text in REGISTRATION:
-        add_beside(source / file.removeprefix("src/"), {text: anchor}, before=False)
+    with tarfile.open(release) as archive:
+        archive.extractall(scratch, filter="data")
+    root = scratch / release.name.removesuffix(".tar.gz")
+    sections = re.split(r"(?m)^(?=diff --git )", upstream_patch.PATCH.read_text())
+    targets = {section: re.match(r"diff --git a/(\S+)", section)[1] for section in sections if section}
+    absent = {path for section, path in targets.items() if "new file" not in section and not (root / path).exists()}
+    assert absent == {upstream_patch.TOCTREE}
+    applied = "".join(section for section, path in targets.items() if path not in absent)
+    patched = subprocess.run(
+        ["patch", "-p1", "--batch", "--forward"], input=applied, text=True, capture_output=True, cwd=root
+    )
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    (root / "tests" / "__init__.py").touch()  # peft's test modules import each other relatively
+    return root
+
+
+def hub_cache(folder: Path) -> Path:
+    """The stand-ins saved as the Hub cache holds downloaded models (a snapshot per model, `refs/main` naming it)."""
+    for model_id, build in STAND_INS.values():
+        torch.manual_seed(0)
+        commit = hashlib.sha1(model_id.encode()).hexdigest()
+        repository = folder / f"models--{model_id.replace('/', '--')}"
+        build().save_pretrained(repository / "snapshots" / commit)
+        (repository / "refs").mkdir()
+        (repository / "refs" / "main").write_text(commit)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def peft_run(patched_tree, tmp_path_factory) -> dict:
+    """peft's tests, `-k neuroada`, in a fresh interpreter on the patched tree: the JUnit test cases, every collected
+    case id, and which peft ran."""
+    scratch = tmp_path_factory.mktemp("peft-run")
     blocked = scratch / "blocked" / "peft_neuroada"
     blocked.mkdir(parents=True)
     (blocked / "__init__.py").write_text('raise ImportError("the plugin is not installed in this run")\n')
-    path = os.pathsep.join([str(source), str(blocked.parent)])
-    return run_neuroada_cases(specs, {**os.environ, "PYTHONPATH": path, "PEFT_NEUROADA_NO_AUTOLOAD": "1"})
+    plugin = scratch / "plugin"
+    plugin.mkdir()
+    shutil.copy(Path(__file__).with_name("peft_tree_plugin.py"), plugin)
+    report, junit = scratch / "report.json", scratch / "junit.xml"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(path) for path in (patched_tree / "src", blocked.parent, plugin)),
+        "PEFT_NEUROADA_NO_AUTOLOAD": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(hub_cache(scratch / "hub")),
+        "NEUROADA_STAND_INS": json.dumps([model_id for model_id, _ in STAND_INS.values()]),
+        "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
+        "NEUROADA_REPORT": str(report),
+    }
+    command = [sys.executable, "-m", "pytest", *RUN_FILES, *HUB_FILES, "-k", "neuroada", "-x", "-q"]
+    command += ["-p", "peft_tree_plugin", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
+    command += [f"-W=ignore:{message}:FutureWarning" for message in TRANSFORMERS_DEPRECATIONS]
+    run = subprocess.run(command, capture_output=True, text=True, cwd=patched_tree, env=env)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    return {
+        "cases": list(ElementTree.parse(junit).iter("testcase")),
+        "collected": json.loads(report.with_suffix(".collected.json").read_text()),
+        "process": json.loads(report.read_text()),
+    }
 
 
-def ran_for(case_name: str, results: list[ElementTree.Element]) -> list[ElementTree.Element]:
-    return [case for case in results if f"{case_name}-" in case.get("name")]
+def of_file(cases: list[ElementTree.Element], file: str, name_part: str = "") -> list[ElementTree.Element]:
+    """The cases of one test file (`tests/x.py`) whose name holds `name_part`."""
+    module = file.removesuffix(".py").replace("/", ".")
+    return [case for case in cases if case.get("classname").startswith(module) and name_part in case.get("name")]
 
 
-def specs_run_for(case_name: str, results: list[ElementTree.Element]) -> set[str]:
-    """The names of peft's spec functions that ran for one case (without their parameters)."""
-    return {case.get("name").split("[")[0] for case in ran_for(case_name, results)}
+def ran(cases: list[ElementTree.Element], file: str, name_part: str = "") -> list[ElementTree.Element]:
+    """Those of `of_file` that ran (were not skipped)."""
+    return [case for case in of_file(cases, file, name_part) if case.find("skipped") is None]
 
 
-def test_every_neuroada_case_passes_each_of_peft_s_generic_tuner_specs(peft_results):
-    assert not [case for case in peft_results if case.find("failure") is not None or case.find("error") is not None]
-    generic_specs = specs_run_for(SINGLE_ADAPTER_CASES[0], peft_results)
-    assert len(generic_specs) >= 40  # 44 in peft 0.21.2, 56 runs with their own parameters
-    for case_name in SINGLE_ADAPTER_CASES:
-        assert specs_run_for(case_name, peft_results) == generic_specs
+def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upstream_patch, release):
+    built = upstream_patch.build_patch(release)
+    assert upstream_patch.PATCH.read_text() == built, "stale: run `python benchmarks/upstream_patch.py`"
 
 
-def test_peft_s_specs_for_several_active_adapters_and_mixed_batches_run_on_neuroada(peft_results):
-    for case_name in ("NeuroAda Same", "NeuroAda Different", "NeuroAda mixed adapter"):
-        ran = ran_for(case_name, peft_results)
-        assert len(ran) >= 5 and all(case.find("skipped") is None for case in ran)
+def test_peft_s_tests_pass_for_neuroada_in_peft_s_tree_with_the_plugin_absent(peft_run, patched_tree):
+    assert peft_run["process"] == {
+        "peft": str(patched_tree / "src" / "peft" / "__init__.py"),
+        "NeuroAdaConfig": "peft.tuners.neuroada.config",
+        "plugin_imported": False,
+    }
+    assert not [
+        case for case in peft_run["cases"] if case.find("failure") is not None or case.find("error") is not None
+    ]
 
 
-def test_peft_refuses_a_second_adapter_training_biases_for_every_neuroada_case(peft_results):
-    spec = "test_adding_multiple_adapters_with_bias_raises"
-    bias_rule = [case for case in peft_results if case.get("name").startswith(f"{spec}[")]
-    assert len(bias_rule) == len(SINGLE_ADAPTER_CASES) and all(case.find("skipped") is None for case in bias_rule)
+def test_every_custom_model_case_runs_peft_s_generic_tuner_tests(peft_run, upstream_patch):
+    for name in CUSTOM_MODEL_CASES:  # 43-44 generic tests each in peft 0.21.2, as its parametrization selects them
+        tests = {case.get("name").split("[")[0] for case in ran(peft_run["cases"], RUN_FILES[0], f"[{name}-")}
+        assert len(tests) >= 40, name
+    several = ["NeuroAda Same", "NeuroAda Different"]
+    several += ["NeuroAda mixed adapter"] if upstream_patch.serves_mixed_batches() else []
+    for name in several:
+        assert len(ran(peft_run["cases"], RUN_FILES[0], f"[{name}-")) >= 5, name
+    assert len(ran(peft_run["cases"], RUN_FILES[0], "mixed_modules_to_save")) == 2
 
 
-def test_the_tuner_alone_inside_peft_s_source_tree_passes_the_same_specs_as_the_plugin(peft_results, in_tree_results):
-    assert not [case for case in in_tree_results if case.find("failure") is not None or case.find("error") is not None]
-    ran = {case.get("name") for case in in_tree_results if case.find("skipped") is None}
-    assert ran == {case.get("name") for case in peft_results if case.find("skipped") is None}
-    assert len(ran) >= 40 * len(SINGLE_ADAPTER_CASES)
+def test_neuroada_s_own_tests_and_peft_s_config_tests_run(peft_run):
+    assert len(ran(peft_run["cases"], "tests/test_neuroada.py")) >= 15
+    config_tests = {case.get("name").split("[")[0] for case in ran(peft_run["cases"], "tests/test_config.py")}
+    assert len(config_tests) >= 15 and not config_tests & {name.rsplit("::", 1)[1] for name in HUB_ONLY}
+
+
+def models_tested(file: Path) -> list[str]:
+    """The Hub model ids a test file parametrizes its tests with (its `PEFT_..._MODELS_TO_TEST` list)."""
+    return next(
+        ast.literal_eval(statement.value)
+        for statement in ast.parse(file.read_text()).body
+        if isinstance(statement, ast.Assign) and statement.targets[0].id.endswith("_MODELS_TO_TEST")
+    )
+
+
+@pytest.mark.parametrize("file", HUB_FILES)
+def test_hub_model_tests_hold_neuroada_cases_for_every_model(peft_run, patched_tree, file):
+    collected = [case for case in peft_run["collected"] if case.startswith(f"{file}::") and "NeuroAdaConfig" in case]
+    for model_id in models_tested(patched_tree / file):
+        assert sum(model_id in case for case in collected) >= 10, model_id
+
+
+@pytest.mark.parametrize("file", STAND_INS)
+def test_hub_model_tests_run_neuroada_cases_on_a_local_stand_in(peft_run, patched_tree, file):
+    model_id = STAND_INS[file][0]
+    assert model_id in models_tested(patched_tree / file)
+    assert len(ran(peft_run["cases"], file, model_id)) >= 10

@@ -1,0 +1,533 @@
+"""The pull request peft would merge, as one `patch -p1` file against the installed peft's source release:
+docs/upstream/neuroada.patch, built from the tuner as it is now (peft_neuroada/tuner/) and the PR's own new files
+(docs/upstream/pr/: the docs page, the example, the method_comparison experiments, tests/test_neuroada.py).
+
+    python benchmarks/upstream_patch.py           # (re)writes docs/upstream/neuroada.patch
+    python benchmarks/upstream_patch.py --check   # exit status 1 when the committed patch is stale
+
+Beside the new files it changes peft where peft keeps what a tuner registers, as it holds SHiRA and Super-Tuning: the
+`PeftType` member, the exports of `peft.tuners` and `peft`, the default-target mapping in `peft/utils/constants.py`
+(moved there from the tuner, whose imports follow it), NeuroAda rows in peft's generic test tables, and the toctree
+entry of the docs page. The tuner's files get peft's license header, `register_peft_method` in `__init__.py` and peft's
+import order. Nothing is formatted by hand: ruff, with peft's settings, orders imports and formats what is generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import importlib
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(REPO_ROOT)]
+
+TUNER = REPO_ROOT / "peft_neuroada" / "tuner"
+PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
+PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
+MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
+TUNER_DIR = "src/peft/tuners/neuroada"
+# peft's ruff settings (its pyproject.toml), for what the build generates or moves.
+RUFF_SETTINGS = [
+    "--isolated",
+    "--line-length=119",
+    "--target-version=py310",
+    "--config=lint.isort.known-first-party=['peft']",
+    "--config=lint.isort.lines-after-imports=2",
+]
+LICENSE = """\
+# Copyright 2026-present the HuggingFace Inc. team.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+REGISTRATION = """
+register_peft_method(name="neuroada", config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel)
+"""
+# peft's docs are not in its source release: the toctree entry is one hunk against peft's docs/source/_toctree.yml,
+# found there by its context (SHiRA's entry and the two after it), whatever the line numbers.
+TOCTREE = "docs/source/_toctree.yml"
+TOCTREE_HUNK = """\
+diff --git a/docs/source/_toctree.yml b/docs/source/_toctree.yml
+--- a/docs/source/_toctree.yml
++++ b/docs/source/_toctree.yml
+@@ -127,6 +127,8 @@
+       title: RandLora
+     - local: package_reference/shira
+       title: SHiRA
++    - local: package_reference/neuroada
++      title: NeuroAda
+     - local: package_reference/c3a
+       title: C3A
+     - local: package_reference/miss
+"""
+
+# ------------------------------------------------------------------------------------------ the test tables
+# The rows, in peft's style, put beside Super-Tuning's in each table (or at the end of a table it has no rows in).
+CUSTOM_MODEL_CASES = """\
+    ############
+    # NeuroAda #
+    ############
+    ("Vanilla MLP 1 NeuroAda", "MLP", NeuroAdaConfig, {"k": 1, "target_modules": "lin0"}),
+    ("Vanilla MLP 2 NeuroAda", "MLP", NeuroAdaConfig, {"k": 3, "target_modules": ["lin0"]}),
+    ("Vanilla MLP 3 NeuroAda", "MLP", NeuroAdaConfig, {"k": 2, "target_modules": ["lin1"]}),
+    ("Vanilla MLP 4 NeuroAda", "MLP", NeuroAdaConfig, {"k": 2, "target_modules": ["lin0", "lin1"]}),
+    ("Vanilla MLP 5 NeuroAda", "MLP", NeuroAdaConfig, {"target_modules": ["lin0"], "modules_to_save": ["lin1"]}),
+    (
+        "Vanilla MLP 6 NeuroAda half the neurons",
+        "MLP",
+        NeuroAdaConfig,
+        {"k": 2, "target_modules": ["lin0"], "neuron_fraction": 0.5},
+    ),
+    ("Embedding + transformers Conv1D 1 NeuroAda", "EmbConv1D", NeuroAdaConfig, {"k": 2, "target_modules": "conv1d"}),
+"""
+# k=2 on lin1 in "Different": its two neurons' largest inputs are hidden units the test inputs never activate.
+MULTIPLE_ACTIVE_ADAPTERS_CASES = """\
+    (
+        "NeuroAda Same",
+        "neuroada",
+        NeuroAdaConfig,
+        {"k": 2, "target_modules": ["lin0"], "init_weights": False},
+        {"k": 2, "target_modules": ["lin0"], "init_weights": False},
+    ),
+    (
+        "NeuroAda Different",
+        "neuroada",
+        NeuroAdaConfig,
+        {"k": 1, "target_modules": ["lin0"], "init_weights": False},
+        {"k": 2, "target_modules": ["lin1"], "init_weights": False},
+    ),
+"""
+MIXED_BATCH_CASES = """\
+    (
+        "NeuroAda mixed adapter",
+        NeuroAdaConfig(target_modules=["lin0"], init_weights=False),
+        NeuroAdaConfig(target_modules=["lin0"], k=3, init_weights=False),
+    ),
+"""
+MIXED_MODULES_TO_SAVE = "            NeuroAdaConfig,\n"
+
+
+def transformers_case(task_type: str, targets: list[str] | None) -> str:
+    """A row of the transformers-model tables: k=2 on the default targets (or `targets` where the tables' models
+    include architectures without a NeuroAda default)."""
+    return f"""\
+    (
+        NeuroAdaConfig,
+        {{
+            "k": 2,
+            "task_type": "{task_type}",
+            "target_modules": {"None" if targets is None else json.dumps(targets)},
+        }},
+    ),
+"""
+
+
+# T5 (q, k, v, o) and BART; BERT, RoBERTa, DeBERTa (in_proj) and DeBERTa-v2: their attention projections.
+SEQ2SEQ_TARGETS = ["q", "k", "v", "o", "q_proj", "k_proj", "v_proj", "out_proj"]
+ENCODER_TARGETS = ["query", "key", "value", "in_proj", "query_proj", "key_proj", "value_proj"]
+
+Edit = Callable[[str], str]
+
+
+def table_rows(table: str, text: str, after: str | None = "SupertuningConfig") -> Edit:
+    """Put `text` (whole lines) into the list or tuple assigned to `table`: after its last entry naming `after`, or at
+    its end when `after` is None."""
+
+    def edit(source: str) -> str:
+        node = next(
+            statement.value
+            for statement in ast.parse(source).body
+            if isinstance(statement, ast.Assign) and any(getattr(t, "id", None) == table for t in statement.targets)
+        )
+        entries = [e for e in node.elts if after is None or after in {getattr(n, "id", None) for n in ast.walk(e)}]
+        return insert_lines(source, entries[-1].end_lineno, text)
+
+    return edit
+
+
+def parametrized_with(function: str, after: str, text: str) -> Edit:
+    """Put `text` into the `pytest.mark.parametrize` list of `function` that names `after`, after it."""
+
+    def edit(source: str) -> str:
+        test = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
+        values = [
+            value
+            for decorator in test.decorator_list
+            for argument in getattr(decorator, "args", [])
+            if isinstance(argument, ast.List)
+            for value in argument.elts
+        ]
+        line = next(value.end_lineno for value in values if getattr(value, "id", None) == after)
+        return insert_lines(source, line, text)
+
+    return edit
+
+
+def imported_from(module: str, *names: str, level: int = 0) -> Edit:
+    """Add `names` to the (one name a line) `from module import (...)` statement, each at its sorted place."""
+
+    def edit(source: str) -> str:
+        for name in names:
+            statement = next(
+                n
+                for n in ast.parse(source).body
+                if isinstance(n, ast.ImportFrom) and n.module == module and n.level == level
+            )
+            source = insert_sorted(source, name, f"    {name},\n", [(a.name, a.lineno) for a in statement.names])
+        return source
+
+    return edit
+
+
+def exported(*names: str) -> Edit:
+    """Add `names` to `__all__` (a list, one string a line), each at its sorted place."""
+
+    def edit(source: str) -> str:
+        for name in names:
+            listed = next(
+                n.value
+                for n in ast.parse(source).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "__all__"
+            )
+            source = insert_sorted(source, name, f'    "{name}",\n', [(e.value, e.lineno) for e in listed.elts])
+        return source
+
+    return edit
+
+
+def tuner_imported(source: str) -> str:
+    """`from .neuroada import ...` among the `from .<tuner> import ...` lines of peft/tuners/__init__.py."""
+    tuners = [(n.module, n.lineno) for n in ast.parse(source).body if isinstance(n, ast.ImportFrom) and n.level == 1]
+    return insert_sorted(source, "neuroada", "from .neuroada import NeuroAdaConfig, NeuroAdaModel\n", tuners)
+
+
+def peft_type(source: str) -> str:
+    """`NEUROADA` last in `PeftType` and in its docstring's list of types."""
+    enum = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "PeftType")
+    source = insert_lines(source, enum.body[-1].end_lineno, '    NEUROADA = "NEUROADA"\n')
+    return insert_lines(source, enum.body[0].end_lineno - 1, "    - NEUROADA\n")
+
+
+def default_targets(source: str) -> str:
+    """The tuner's default-target mapping as peft keeps the others, first among those that differ from LoRA's."""
+    anchor = "# target module mappings that differ from LORA\n"
+    if source.count(anchor) != 1:
+        raise ValueError(f"peft's constants.py has no single {anchor.strip()!r} to put {MAPPING} after")
+    return source.replace(anchor, anchor + mapping_definition() + "\n")
+
+
+def insert_lines(source: str, after_line: int, text: str) -> str:
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[:after_line] + [text] + lines[after_line:])
+
+
+def insert_sorted(source: str, name: str, text: str, members: list[tuple[str, int]]) -> str:
+    """Put `text` before the first of `members` ((name, line)) that sorts after `name` as ruff's isort and RUF022
+    order them (constants, classes, the rest; case aside), or after the last one."""
+
+    def key(member: str) -> tuple[int, str]:
+        return (0 if member.isupper() else 1 if member[:1].isupper() else 2, member.lower())
+
+    later = [line for member, line in members if key(member) > key(name)]
+    return insert_lines(source, later[0] - 1, text) if later else insert_lines(source, members[-1][1], text)
+
+
+EDITS: dict[str, list[Edit]] = {
+    "src/peft/utils/peft_types.py": [peft_type],
+    "src/peft/utils/constants.py": [default_targets],
+    "src/peft/utils/other.py": [imported_from("constants", MAPPING, level=1), exported(MAPPING)],
+    "src/peft/utils/__init__.py": [imported_from("other", MAPPING, level=1), exported(MAPPING)],
+    "src/peft/tuners/__init__.py": [tuner_imported, exported("NeuroAdaConfig", "NeuroAdaModel")],
+    "src/peft/__init__.py": [
+        imported_from("tuners", "NeuroAdaConfig", "NeuroAdaModel", level=1),
+        exported("NeuroAdaConfig", "NeuroAdaModel"),
+    ],
+    "tests/test_config.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("ALL_CONFIG_CLASSES", "    (NeuroAdaConfig, {}),\n"),
+    ],
+    "tests/test_custom_models.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("TEST_CASES", CUSTOM_MODEL_CASES),
+        table_rows("MULTIPLE_ACTIVE_ADAPTERS_TEST_CASES", MULTIPLE_ACTIVE_ADAPTERS_CASES),
+        parametrized_with("test_multiple_adapters_mixed_modules_to_save", "SupertuningConfig", MIXED_MODULES_TO_SAVE),
+        parametrized_with(
+            "test_multiple_adapters_mixed_modules_to_save_order_switched", "SupertuningConfig", MIXED_MODULES_TO_SAVE
+        ),
+    ],
+    "tests/test_decoder_models.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("ALL_CONFIGS", transformers_case("CAUSAL_LM", None)),
+    ],
+    "tests/test_encoder_decoder_models.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("ALL_CONFIGS", transformers_case("SEQ_2_SEQ_LM", SEQ2SEQ_TARGETS)),
+    ],
+    "tests/test_feature_extraction_models.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("ALL_CONFIGS", transformers_case("FEATURE_EXTRACTION", ENCODER_TARGETS)),
+    ],
+    "tests/test_seq_classifier.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("ALL_CONFIGS", transformers_case("SEQ_CLS", None)),
+    ],
+}
+
+
+def serves_mixed_batches() -> bool:
+    """Whether the tuner serves peft's mixed batches (`adapter_names`) itself: its model hands the names to the
+    layers through `_enable_peft_forward_hooks`, as LoRA's does."""
+    return any(
+        isinstance(node, ast.FunctionDef) and node.name == "_enable_peft_forward_hooks"
+        for path in TUNER.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def edits() -> dict[str, list[Edit]]:
+    """EDITS, with the mixed-batch row where the tuner serves mixed batches."""
+    if not serves_mixed_batches():
+        return EDITS
+    custom = [*EDITS["tests/test_custom_models.py"], table_rows("MIXED_ADAPTER_TEST_CASES", MIXED_BATCH_CASES, None)]
+    return {**EDITS, "tests/test_custom_models.py": custom}
+
+
+# ---------------------------------------------------------------------------------------------- the tuner
+
+
+def mapping_statement(tree: ast.Module) -> ast.stmt | None:
+    return next(
+        (
+            node
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            and MAPPING in {getattr(t, "id", None) for t in getattr(node, "targets", [getattr(node, "target", None)])}
+        ),
+        None,
+    )
+
+
+def mapping_definition() -> str:
+    """The tuner's mapping written out for constants.py, under the comment it has in the tuner."""
+    mapping, comment = tuner_mapping()
+    entries = "".join(f"    {json.dumps(arch)}: {json.dumps(targets)},\n" for arch, targets in mapping.items())
+    return ruff_format(f"{comment}{MAPPING} = {{\n{entries}}}\n")
+
+
+def tuner_mapping() -> tuple[dict[str, list[str]], str]:
+    """The tuner's default-target mapping, and the comment lines right above its definition."""
+    for path in sorted(TUNER.glob("*.py")):
+        source = path.read_text()
+        statement = mapping_statement(ast.parse(source))
+        if statement is not None:
+            lines = source.splitlines(keepends=True)[: statement.lineno - 1]
+            comment = []
+            while lines and lines[-1].lstrip().startswith("#"):
+                comment.insert(0, lines.pop())
+            module = importlib.import_module(f"peft_neuroada.tuner.{path.stem}")
+            return getattr(module, MAPPING), "".join(comment)
+    raise ValueError(f"no file of {TUNER} defines {MAPPING}")
+
+
+def without_mapping(source: str) -> str:
+    """A tuner module that defines or imports the mapping, reading it from peft.utils instead."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    statement = mapping_statement(tree)
+    imports = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and MAPPING in {a.name for a in node.names}
+    ]
+    if statement is None and not imports:
+        return source
+    if statement is not None:
+        start = statement.lineno - 1
+        while start and lines[start - 1].lstrip().startswith("#"):
+            start -= 1
+        lines[start : statement.end_lineno] = [""] * (statement.end_lineno - start)
+    for node in imports:
+        names = ", ".join(alias.name for alias in node.names if alias.name != MAPPING)
+        kept = f"from {'.' * node.level}{node.module} import {names}\n" if names else ""
+        lines[node.lineno - 1 : node.end_lineno] = [kept] + [""] * (node.end_lineno - node.lineno)
+    last_import = max(n.end_lineno for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))
+    lines[last_import - 1] += f"from peft.utils import {MAPPING}\n"
+    return "".join(lines)
+
+
+def tuner_files() -> dict[str, str]:
+    """peft/tuners/neuroada/ as the PR adds it (before peft's style): the tuner's modules, the mapping read from
+    peft.utils, the package registering the method."""
+    files = {}
+    for path in sorted(TUNER.glob("*.py")):
+        source = without_mapping(path.read_text())
+        if path.name == "__init__.py":
+            source = "from peft.utils import register_peft_method\n" + without_docstring(source) + REGISTRATION
+        files[f"{TUNER_DIR}/{path.name}"] = source
+    return files
+
+
+def without_docstring(source: str) -> str:
+    """The module without its docstring (peft's tuner packages have none; this one's speaks of the plugin)."""
+    body = ast.parse(source).body
+    if not (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)):
+        return source
+    return "".join(source.splitlines(keepends=True)[body[0].end_lineno :]).lstrip("\n")
+
+
+# ----------------------------------------------------------------------------------------- the PR's own files
+
+
+def pr_files() -> dict[str, str]:
+    """docs/upstream/pr/ as it lands in peft (its ruff.toml, which lints the files there as peft does, and caches
+    stay here), and the method_comparison experiments' adapter configs, written as peft writes a config."""
+    files = {
+        path.relative_to(PR_FILES).as_posix(): path.read_text()
+        for path in sorted(PR_FILES.rglob("*"))
+        if path.is_file() and path.name != "ruff.toml" and not any(part.startswith((".", "__")) for part in path.parts)
+    }
+    for name, k in EXPERIMENTS.items():
+        files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = experiment_config(k)
+    return files
+
+
+EXPERIMENTS_DIR = "method_comparison/MetaMathQA/experiments/neuroada"
+EXPERIMENTS = {"llama-3.2-3B-k1": 1, "llama-3.2-3B-k20": 20}
+
+
+def experiment_config(k: int) -> str:
+    """A NeuroAda adapter_config.json for Llama-3.2-3B (the paper's seven projections, peft's benchmark's task)."""
+    from peft_neuroada.tuner.config import NeuroAdaConfig
+
+    targets = tuner_mapping()[0]["llama"]
+    config = NeuroAdaConfig(k=k, target_modules=list(targets), task_type="CAUSAL_LM").to_dict()
+    config.pop("peft_version", None)  # peft adds the running version when it saves
+    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    return json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ the patch
+
+
+def ruff(arguments: list[str], target: str | Path, source: str | None = None) -> str:
+    """ruff with peft's settings on `target` (a folder, or with `source`: a file name for stdin); its output."""
+    command = [sys.executable, "-m", "ruff", *arguments, *RUFF_SETTINGS]
+    if source is not None:
+        command += [f"--stdin-filename={target}", "-"]
+    else:
+        command.append(str(target))
+    run = subprocess.run(command, input=source, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"ruff {' '.join(arguments)} failed: {run.stderr}")
+    return run.stdout
+
+
+def ruff_format(source: str) -> str:
+    return ruff(["format", "--quiet"], "generated.py", source)
+
+
+def peft_style(files: dict[str, str]) -> dict[str, str]:
+    """peft's `make style` for the Python files the PR adds: its license header, imports ordered (peft first
+    party), formatted."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, source in files.items():
+            path = Path(scratch, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(LICENSE + "\n" + source if name.endswith(".py") else source)
+        ruff(["check", "--select=I", "--fix", "--exit-zero", "--quiet"], scratch)
+        ruff(["format", "--quiet"], scratch)
+        return {name: Path(scratch, name).read_text() for name in files}
+
+
+class Release:
+    """The text files of peft's source release (a `peft-X.tar.gz`), by path inside it."""
+
+    def __init__(self, archive: Path) -> None:
+        root = archive.name.removesuffix(".tar.gz") + "/"
+        with tarfile.open(archive) as tar:
+            self.files = {
+                member.name.removeprefix(root): tar.extractfile(member).read().decode()
+                for member in tar.getmembers()
+                if member.isfile() and member.name.endswith((".py", ".md", ".yml", ".toml", ".json"))
+            }
+
+
+def file_diff(path: str, old: str | None, new: str) -> str:
+    """One file's section of a git-style unified diff (`patch -p1` and `git apply` read both)."""
+    header = f"diff --git a/{path} b/{path}\n" + ("new file mode 100644\n" if old is None else "")
+    lines = difflib.unified_diff(
+        [] if old is None else old.splitlines(keepends=True),
+        new.splitlines(keepends=True),
+        "/dev/null" if old is None else f"a/{path}",
+        f"b/{path}",
+    )
+    return header + "".join(lines)
+
+
+def build_patch(archive: Path) -> str:
+    """The whole patch against the source release `archive`."""
+    release = Release(archive)
+    changed = peft_style({**tuner_files(), **pr_files()})
+    for path, steps in edits().items():
+        source = release.files[path]
+        for step in steps:
+            source = step(source)
+        changed[path] = source
+    sections = [file_diff(path, release.files.get(path), changed[path]) for path in sorted(changed)]
+    return "".join(sorted([*sections, TOCTREE_HUNK], key=lambda section: section.split("\n", 1)[0]))
+
+
+def source_release(folder: Path) -> Path:
+    """The installed peft's source release (its tests ship there, not in the wheel), downloaded once into `folder`."""
+    peft_version = version("peft")
+    archive = folder / f"peft-{peft_version}.tar.gz"
+    if not archive.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", f"peft=={peft_version}", "--no-deps", "--no-binary"]
+        fetched = subprocess.run([*command, ":all:", "-d", str(folder)], capture_output=True, text=True)
+        if fetched.returncode != 0 or not archive.exists():
+            raise FileNotFoundError(f"peft {peft_version}'s source release: {fetched.stderr[-500:]}")
+    return archive
+
+
+def default_release() -> Path:
+    from peft_neuroada.cache import cache_root
+
+    return source_release(cache_root() / "peft-source")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--check", action="store_true", help="Only compare with the committed patch.")
+    args = parser.parse_args(argv)
+    patch = build_patch(default_release())
+    if args.check:
+        stale = not PATCH.exists() or PATCH.read_text() != patch
+        print(f"{PATCH.relative_to(REPO_ROOT)} is {'stale' if stale else 'up to date'}")
+        return int(stale)
+    PATCH.parent.mkdir(parents=True, exist_ok=True)
+    PATCH.write_text(patch)
+    print(f"wrote {PATCH.relative_to(REPO_ROOT)}: {len(patch.splitlines())} lines, {len(patch.encode())} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

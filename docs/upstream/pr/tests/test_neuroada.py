@@ -1,0 +1,174 @@
+"""NeuroAda's own behaviour, beyond peft's generic tuner tests: which inputs each neuron tunes, merges that unmerge
+bit for bit, how the indices are stored and reloaded, and MoE experts reached through `target_parameters`. Every model
+is built here from a config, so nothing needs the Hub."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from peft import NeuroAdaConfig, PeftModel, get_peft_model
+from peft.tuners.neuroada import ParamWrapper
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, hidden: int = 24, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.lin0 = nn.Linear(d_in, hidden, dtype=dtype)
+        self.lin1 = nn.Linear(hidden, 4, dtype=dtype)
+
+    def forward(self, x):
+        return self.lin1(torch.relu(self.lin0(x)))
+
+
+def tuned_entries(model, name: str = "lin0", adapter_name: str = "default") -> torch.Tensor:
+    """Where a layer's adapter has its deltas: the non-zero entries of its dense delta (random: init_weights=False)."""
+    return model.base_model.model.get_submodule(name).get_delta_weight(adapter_name) != 0
+
+
+def neuroada_mlp(base: nn.Module | None = None, **config_kwargs):
+    torch.manual_seed(0)
+    kwargs = {"target_modules": ["lin0"], "init_weights": False, **config_kwargs}
+    return get_peft_model(base if base is not None else MLP(), NeuroAdaConfig(**kwargs))
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's own parameters (no adapter's) as they are now, named as before any adapter was added."""
+    return {
+        name.replace(".base_layer", "")
+        .replace(".parametrizations.", ".")
+        .removesuffix(".original"): param.detach().clone()
+        for name, param in model.named_parameters()
+        if "neuroada_" not in name
+    }
+
+
+def bit_equal(tensors: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
+    return tensors.keys() == other.keys() and all(torch.equal(tensors[name], other[name]) for name in tensors)
+
+
+def top_k_mask(weight: torch.Tensor, k: int, largest: bool = True) -> torch.Tensor:
+    indices = weight.abs().topk(k, dim=-1, largest=largest).indices
+    return torch.zeros_like(weight, dtype=torch.bool).scatter_(-1, indices, True)
+
+
+class TestNeuroAdaSelection:
+    def test_every_neuron_tunes_its_k_largest_inputs(self):
+        model = neuroada_mlp(k=3)
+        weight = model.base_model.model.lin0.get_base_layer().weight
+        assert torch.equal(tuned_entries(model), top_k_mask(weight, 3))
+
+    def test_inputs_of_equal_magnitude_go_to_the_lower_column(self):
+        base = MLP()
+        with torch.no_grad():
+            base.lin0.weight.fill_(0.5)
+            base.lin0.weight[:, ::2] *= -1  # equal magnitudes, both signs
+        entries = tuned_entries(neuroada_mlp(base, k=2))
+        assert entries[:, :2].all()
+        assert entries.sum() == 2 * entries.shape[0]
+
+    def test_reverse_selection_tunes_the_smallest_inputs(self):
+        model = neuroada_mlp(k=3, selection="reverse")
+        weight = model.base_model.model.lin0.get_base_layer().weight
+        assert torch.equal(tuned_entries(model), top_k_mask(weight, 3, largest=False))
+
+    def test_random_selection_follows_its_seed(self):
+        first, again = neuroada_mlp(k=3, selection="random"), neuroada_mlp(k=3, selection="random")
+        other = neuroada_mlp(k=3, selection="random", selection_seed=1)
+        assert torch.equal(tuned_entries(first), tuned_entries(again))
+        assert not torch.equal(tuned_entries(first), tuned_entries(other))
+        assert (tuned_entries(first).sum(dim=1) == 3).all()
+
+    def test_neuron_fraction_tunes_that_share_of_the_neurons(self):
+        entries = tuned_entries(neuroada_mlp(k=2, neuron_fraction=0.5))
+        tuned_rows = entries.any(dim=1)
+        assert tuned_rows.sum() == 12
+        assert (entries[tuned_rows].sum(dim=1) == 2).all()
+
+    def test_k_above_a_layer_s_inputs_tunes_all_of_them_with_a_warning(self):
+        with pytest.warns(UserWarning, match="exceeds"):
+            model = neuroada_mlp(k=40)
+        assert tuned_entries(model).all()
+
+
+class TestNeuroAdaMerge:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_unmerge_restores_the_base_weights_bit_for_bit(self, dtype):
+        base = MLP(dtype=dtype)
+        original = weights(base)
+        model = neuroada_mlp(base, k=4, target_modules=["lin0", "lin1"])
+        model.add_adapter("other", NeuroAdaConfig(k=2, target_modules=["lin0"], init_weights=False))
+        model.base_model.set_adapter(["default", "other"])  # both merge, overlapping on lin0
+        model.merge_adapter()
+        assert not bit_equal(weights(base), original)
+        model.unmerge_adapter()
+        assert bit_equal(weights(base), original)
+
+    def test_the_merged_model_computes_what_the_adapter_computes(self):
+        model = neuroada_mlp(k=3, target_modules=["lin0", "lin1"])
+        x = torch.randn(5, 16)
+        adapted = model(x)
+        merged = model.merge_and_unload()
+        assert torch.allclose(merged(x), adapted, atol=1e-6)
+
+
+class TestNeuroAdaIndexStorage:
+    def test_saved_indices_take_two_bytes_per_delta(self, tmp_path):
+        neuroada_mlp(k=3, target_modules=["lin0", "lin1"]).save_pretrained(tmp_path)
+        tensors = load_file(tmp_path / "adapter_model.safetensors")
+        deltas = {key: value for key, value in tensors.items() if "neuroada_delta" in key}
+        assert len(deltas) == 2
+        for key, delta in deltas.items():
+            indices = tensors[key.replace("neuroada_delta", "neuroada_indices")]
+            assert not indices.is_floating_point()
+            assert indices.numel() * indices.element_size() <= 2 * (delta.numel() + 1)  # an odd count is padded
+
+    @pytest.mark.parametrize("d_in", [16, 40_000])  # int16 columns, and a layer too wide for them
+    def test_a_reloaded_adapter_keeps_its_entries_on_other_base_weights(self, tmp_path, d_in):
+        model = neuroada_mlp(MLP(d_in=d_in, hidden=6), k=3)
+        model.save_pretrained(tmp_path)
+        other_base = MLP(d_in=d_in, hidden=6)  # other weights: selecting again would pick other inputs
+        loaded = PeftModel.from_pretrained(other_base, tmp_path)
+        assert torch.equal(tuned_entries(loaded), tuned_entries(model))
+        delta, reloaded = (m.base_model.model.lin0.get_delta_weight("default") for m in (model, loaded))
+        assert torch.equal(delta, reloaded)
+
+
+def tiny_moe() -> Qwen3MoeForCausalLM:
+    """A Qwen3-MoE whose experts are 3-D parameters (transformers 5): 4 experts, 2 active per token."""
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        intermediate_size=8,
+    )
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config)
+
+
+class TestNeuroAdaExperts:
+    def test_every_expert_neuron_tunes_its_k_largest_inputs(self):
+        model = get_peft_model(tiny_moe(), NeuroAdaConfig(k=2, init_weights=False))  # default targets
+        wrappers = [module for module in model.modules() if isinstance(module, ParamWrapper)]
+        assert {wrapper.parameter_name for wrapper in wrappers} == {"gate_up_proj", "down_proj"}
+        for wrapper in wrappers:
+            weight = wrapper.get_param()  # (experts, outputs, inputs)
+            assert torch.equal(wrapper.get_delta_weight("default") != 0, top_k_mask(weight, 2))
+
+    def test_merged_experts_compute_what_the_adapter_computes_and_unmerge_exactly(self):
+        base = tiny_moe()
+        original = weights(base)
+        model = get_peft_model(base, NeuroAdaConfig(k=2, init_weights=False))
+        input_ids = torch.arange(12).view(2, 6)
+        adapted = model(input_ids=input_ids).logits
+        model.merge_adapter()
+        assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=1e-5)
+        model.unmerge_adapter()
+        assert bit_equal(weights(base), original)
