@@ -184,9 +184,9 @@ class TransientCopy(StackCopy):
 
 
 class FoldedFactors(StackCopy):
-    """peft's LoRA's (`_LoraFactorsProxy`): W + s · B A per expert, one baddbmm, which keeps both factors. peft runs
-    it under torch.autocast(device_type=W.device.type), which the meta device does not have, so within the trace its
-    wrappers step aside for this one."""
+    """peft's LoRA's (`_LoraFactorsProxy`, where peft has it): W + s · B A per expert, one baddbmm, which keeps both
+    factors. peft runs it under torch.autocast(device_type=W.device.type), which the meta device does not have, so
+    within the trace its wrappers step aside for this one."""
 
     def __init__(self, wrapper: LoraParamWrapper, reads: list[int]) -> None:
         super().__init__(reads)
@@ -374,7 +374,9 @@ class Estimator:
         targets = sorted({name.rsplit(".", 1)[-1] for name, _ in targeted_modules(self.model, NeuroAdaConfig())})
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, target_parameters=self.stacks)
         peft_model = get_peft_model(self.model, config)
-        wrappers = [module for module in peft_model.modules() if isinstance(module, LoraParamWrapper)]
+        # peft releases without `get_delta_factors` add a materialised delta without torch.autocast: traced as they run
+        folds = hasattr(LoraParamWrapper, "get_delta_factors")
+        wrappers = [module for module in peft_model.modules() if folds and isinstance(module, LoraParamWrapper)]
         try:
             parameters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
             reads: list[int] = []
