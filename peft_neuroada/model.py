@@ -41,7 +41,8 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
                 f"NeuroAda leaves these projections of the model unadapted: {', '.join(left_out[:6])}"
                 f"{f' and {len(left_out) - 6} more' if len(left_out) > 6 else ''}. To adapt them, add their names to "
                 "target_modules (layers) or target_parameters (MoE experts' 3-D weights, e.g. "
-                "'experts.gate_up_proj'); to leave them out on purpose, this warning can be ignored.",
+                "'experts.gate_up_proj'; of a module you parametrized yourself, its full name, as peft adapts only "
+                "those); to leave them out on purpose, this warning can be ignored.",
                 stacklevel=3,
             )
         return peft_config
