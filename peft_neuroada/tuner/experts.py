@@ -1,6 +1,7 @@
 """NeuroAda on a parameter instead of a module: the 3-D expert weights of today's MoE models (transformers 5 keeps
-Mixtral's, Qwen3-MoE's and GPT-OSS's experts as one (E, d_out, d_in) or (E, d_in, d_out) parameter each), reached
-through `target_parameters` as with peft's LoRA.
+each expert projection of Mixtral, Qwen3-MoE, GPT-OSS, Llama-4, ... as one (E, d_out, d_in) or (E, d_in, d_out)
+parameter, `WEIGHT_LAYOUTS` and `is_transposed` below tell which), reached through `target_parameters` as with peft's
+LoRA.
 
 Each expert's neurons get their own k deltas, selected on that expert's rows: the stack is E * d_out neurons over
 d_in inputs, neuron `e * d_out + i` being row i of expert e. The experts' own forward (an eager loop, grouped_mm,
@@ -12,6 +13,7 @@ and unmerging writes back the originals, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,9 +31,46 @@ MIXED_BATCH_REFUSAL = (
 )
 
 
-def is_transposed(experts: nn.Module, param: torch.Tensor) -> bool:
-    """Whether a 3-D expert stack is held (E, d_in, d_out): experts modules marked `is_transposed` (GPT-OSS)."""
-    return param.dim() == 3 and bool(getattr(experts, "is_transposed", False))
+# How a weight is held where the module carries no `is_transposed` flag of its own (transformers' experts classes made
+# with `use_experts_implementation` carry it: True for GPT-OSS, Aria and OpenAIPrivacyFilter, False for the 65
+# others in 5.24), by class name: "out_in" ((E,) d_out, d_in), read as F.linear(x, W[e]); "in_out" ((E,) d_in, d_out),
+# read as x @ W[e]; None: refused, with the reason. Other modules are refused, not guessed.
+WEIGHT_LAYOUTS: dict[str, str | None] = {
+    "Linear": "out_in",  # torch's nn.Linear (and its subclasses): a layer's weight named as a parameter
+    "Conv1D": "in_out",  # transformers' GPT-2 layer
+    "Llama4TextExperts": "in_out",  # torch.bmm(h, W)
+    "JetMoeParallelExperts": "out_in",
+    "LongcatFlashExperts": "out_in",
+    "Step3p7Experts": "out_in",
+    "InklingSharedExperts": "out_in",
+    "DbrxExpertGLU": None,  # its parent reads w1, v1, w2 (2-D, E * ffn rows) outside its call, and passes them in
+}
+
+
+def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = None) -> bool:
+    """Whether `param` of `module` is held (E, d_in, d_out) or (d_in, d_out), so that its neurons are columns: from
+    the module's own `is_transposed` flag (3-D stacks), else from WEIGHT_LAYOUTS (by class, its bases included). A
+    stack of either layout reads as a valid weight of the other (a square one always), so a module neither describes
+    is refused, not guessed."""
+    if param.dim() == 3 and hasattr(module, "is_transposed"):
+        return bool(module.is_transposed)
+    key = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in WEIGHT_LAYOUTS), None)
+    if key is not None and WEIGHT_LAYOUTS[key] is not None:
+        return WEIGHT_LAYOUTS[key] == "in_out"
+    if name is None:  # the parameter's own name, past a user's parametrization of it
+        found = (n for n, p in module.named_parameters() if p is param)
+        name = next(found, "?").removeprefix("parametrizations.").removesuffix(".original")
+    why = (
+        f"WEIGHT_LAYOUTS['{key}'] refuses it (see why there)"
+        if key
+        else "the module has no `is_transposed` flag, and WEIGHT_LAYOUTS does not name its class"
+    )
+    raise ValueError(
+        f"NeuroAda cannot tell which axis of '{name}' {tuple(param.shape)} of {type(module).__name__} holds its "
+        f"output neurons: {why} (peft_neuroada/tuner/experts.py). Leave it out of target_parameters (name the "
+        "others), or, for a class of your own, set `is_transposed` on it or add it to WEIGHT_LAYOUTS: 'out_in' if "
+        "its forward computes F.linear(x, W[e]), 'in_out' if x @ W[e]."
+    )
 
 
 class ParamWrapper(nn.Module, NeuroAdaLayer):
@@ -47,8 +86,8 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         NeuroAdaLayer.__init__(self, base_layer)
         if config.fan_in_fan_out:
             raise ValueError(
-                f"NeuroAda target_parameters take the layout from the experts module (its `is_transposed`), not "
-                f"fan_in_fan_out: set fan_in_fan_out=False to adapt '{parameter_name}'."
+                f"NeuroAda target_parameters take the layout from the module (its `is_transposed` or WEIGHT_LAYOUTS), "
+                f"not fan_in_fan_out: set fan_in_fan_out=False to adapt '{parameter_name}'."
             )
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name=kwargs.get("layer_name", ""))
@@ -73,7 +112,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         return self._oriented(self.get_param())
 
     def _transposed(self) -> bool:
-        return is_transposed(self.get_base_layer(), self.get_param())
+        return is_transposed(self.get_base_layer(), self.get_param(), self.parameter_name)
 
     @property
     def num_experts(self) -> int:
@@ -99,7 +138,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
 
     def _oriented(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor shaped like the parameter, seen as `weight_out_in` sees the parameter."""
-        return tensor.transpose(1, 2) if self._transposed() else tensor
+        return tensor.transpose(-2, -1) if self._transposed() else tensor
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if kwargs.pop("adapter_names", None) is not None:
@@ -122,15 +161,16 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
             return self.base_layer(x, *args, **kwargs)
 
     @contextmanager
-    def _deltas_added(self, adapters: list[str]):
+    def _deltas_added(self, adapters: list[str]) -> Iterator[None]:
         """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
         read); the parameter itself is not written. Registering the parametrization changes the experts module for the
         call, so, as peft's LoRA `ParamWrapper`, a wrapper serves one call at a time."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
-        added = _DeltasAdded(self._transposed(), placements, deltas)
         base, name = self.get_base_layer(), self.parameter_name
-        parametrize.register_parametrization(base, name, added, unsafe=True)
+        parametrize.register_parametrization(
+            base, name, _DeltasAdded(self._transposed(), placements, deltas), unsafe=True
+        )
         try:
             with parametrize.cached():
                 yield
@@ -161,7 +201,7 @@ class _AddedAtPlacements(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, transposed, placements, *deltas):
         added = weight.detach().clone(memory_format=torch.contiguous_format)
-        oriented = added.transpose(1, 2) if transposed else added
+        oriented = added.transpose(-2, -1) if transposed else added
         for placement, delta in zip(placements, deltas, strict=True):
             write_placed_(oriented, placement, placed_entries(oriented, placement) + delta.detach().to(added.dtype))
         ctx.transposed, ctx.placements = transposed, placements
@@ -171,7 +211,7 @@ class _AddedAtPlacements(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        oriented = grad.transpose(1, 2) if ctx.transposed else grad
+        oriented = grad.transpose(-2, -1) if ctx.transposed else grad
         grads = [
             placed_entries(oriented, placement).to(dtype) if needed else None
             for placement, dtype, needed in zip(
