@@ -22,8 +22,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .config import NeuroAdaConfig
+from .forward import merged_copy
 from .layer import NeuroAdaLayer
-from .placement import Placement, placed_entries, write_placed_
+from .placement import Placement, positions, write_placed_
 
 MIXED_BATCH_REFUSAL = (
     "NeuroAda target_parameters (expert weights) do not serve mixed batches (`adapter_names`), as peft's LoRA "
@@ -163,8 +164,10 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
     @contextmanager
     def _deltas_added(self, adapters: list[str]) -> Iterator[None]:
         """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
-        read); the parameter itself is not written. Registering the parametrization changes the experts module for the
-        call, so, as peft's LoRA `ParamWrapper`, a wrapper serves one call at a time."""
+        read: backward then samples its dense gradient, and frees it, right after the matmul that read it; a copy
+        made before the call, as `torch.func.functional_call` takes it, would leave it alive until the next stack's
+        is formed); the parameter itself is not written. Registering the parametrization changes the experts
+        module for the call, so, as peft's LoRA `ParamWrapper`, a wrapper serves one call at a time."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
         base, name = self.get_base_layer(), self.parameter_name
@@ -196,26 +199,22 @@ class _DeltasAdded(nn.Module):
 
 
 class _AddedAtPlacements(torch.autograd.Function):
-    """`W + Σ P ⊙ Θ` as a new tensor; backward samples the incoming dense gradient at each placement."""
+    """`W + Σ P ⊙ Θ` as a new tensor (forward.merged_copy, which writes no `.data` view, so torch.compile traces it);
+    backward keeps nothing and samples the incoming dense gradient at each placement."""
 
     @staticmethod
     def forward(ctx, weight, transposed, placements, *deltas):
-        added = weight.detach().clone(memory_format=torch.contiguous_format)
-        oriented = added.transpose(-2, -1) if transposed else added
-        for placement, delta in zip(placements, deltas, strict=True):
-            write_placed_(oriented, placement, placed_entries(oriented, placement) + delta.detach().to(added.dtype))
-        ctx.transposed, ctx.placements = transposed, placements
-        ctx.delta_dtypes = [delta.dtype for delta in deltas]
-        return added
+        ctx.transposed, ctx.placements, ctx.delta_dtypes = transposed, placements, [delta.dtype for delta in deltas]
+        copy = merged_copy(weight.transpose(-2, -1) if transposed else weight, placements, deltas)
+        return copy.transpose(-2, -1) if transposed else copy
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         oriented = grad.transpose(-2, -1) if ctx.transposed else grad
+        needed = ctx.needs_input_grad[3:]
         grads = [
-            placed_entries(oriented, placement).to(dtype) if needed else None
-            for placement, dtype, needed in zip(
-                ctx.placements, ctx.delta_dtypes, ctx.needs_input_grad[3:], strict=True
-            )
+            grad.view(-1)[positions(oriented, placement)].to(dtype) if need else None
+            for placement, dtype, need in zip(ctx.placements, ctx.delta_dtypes, needed, strict=True)
         ]
         return grad if ctx.needs_input_grad[0] else None, None, None, *grads
