@@ -19,6 +19,7 @@ import ast
 import difflib
 import importlib
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -495,6 +496,20 @@ def build_patch(archive: Path) -> str:
     return "".join(sorted([*sections, TOCTREE_HUNK], key=lambda section: section.split("\n", 1)[0]))
 
 
+def project_references(patch: str) -> list[str]:
+    """Added lines of peft's copy of the tuner that name this project's files or the plugin (peft has neither)."""
+    found, path = [], ""
+    for line in patch.splitlines():
+        if line.startswith("+++ "):
+            path = line.removeprefix("+++ b/")
+        elif line.startswith("+") and path.startswith(TUNER_DIR) and re.search(PROJECT_NAMES, line):
+            found.append(f"{path}: {line[1:].strip()}")
+    return found
+
+
+PROJECT_NAMES = r"peft_neuroada|\bplugin\b|README|docs/\w+\.md|tests/test_"
+
+
 def source_release(folder: Path) -> Path:
     """The installed peft's source release (its tests ship there, not in the wheel), downloaded once into `folder`."""
     peft_version = version("peft")
@@ -526,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     PATCH.parent.mkdir(parents=True, exist_ok=True)
     PATCH.write_text(patch)
     print(f"wrote {PATCH.relative_to(REPO_ROOT)}: {len(patch.splitlines())} lines, {len(patch.encode())} bytes")
+    for reference in project_references(patch):
+        print(f"names this project, which peft does not hold: {reference}")
     return 0
 
 

@@ -47,7 +47,6 @@ def main(args: argparse.Namespace) -> None:
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=learning_rate,
-        warmup_ratio=0.06,
         weight_decay=0.0,
         bf16=args.bf16,
         logging_steps=10,
