@@ -3,6 +3,7 @@ can move, what each saves, and whether unmerging gives the base weights back. Th
 first: is NeuroAda a selection mode of Super-Tuning?
 
     python benchmarks/vs_supertuning.py --json docs/upstream/supertuning.json
+    python benchmarks/vs_supertuning.py --model tiny   # smoke test: a random 2-layer Llama, seconds
 
 Both adapt the same seven projections (q/k/v/o, gate/up/down) at NeuroAda's budgets k = 1, 2, 5, 20; Super-Tuning at
 the density that gives it the same number of trainable entries (`cost.variants.supertuning`, as train_cost.py and
@@ -34,11 +35,9 @@ from pathlib import Path
 
 import common  # this checkout's peft_neuroada first
 import torch
-from cost.variants import TARGETS, neuroada, supertuning
+from cost.variants import RANDOM_CONFIGS, TARGETS, build_model, neuroada, supertuning
 from peft import get_peft_model
 from torch import nn
-
-from peft_neuroada.train.models import load_default_model
 
 BUDGETS = (1, 2, 5, 20)
 UNMERGE_BUDGETS = (1, 20)
@@ -145,14 +144,13 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--model", choices=["smollm2", *RANDOM_CONFIGS], default="smollm2")
     parser.add_argument("--json", type=Path, help="Also write the rows to this file.")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    base, _ = load_default_model(dtype=torch.float32)
-    base.requires_grad_(False)
+    base = build_model(args.model, torch.float32).requires_grad_(False)
     rows = [measure(base, method, k) for k in BUDGETS for method in METHODS]
     if args.json:
-        payload = {"model": "SmolLM2-135M-Instruct", "targets": TARGETS, "delta_std": DELTA_STD, "rows": rows}
+        payload = {"model": args.model, "targets": TARGETS, "delta_std": DELTA_STD, "rows": rows}
         payload["machine"] = common.machine(None)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

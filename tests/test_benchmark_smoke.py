@@ -286,3 +286,21 @@ def test_nlu_benchmark_reports_every_method_over_seeds_on_real_boolq_questions(t
     report = json.loads((tmp_path / "r").read_text())
     assert report["sizes"] == {"dev": 24, "test": 24, "train": 24}
     assert all(len(result["runs"]) == 2 for result in report["results"].values())
+
+
+def test_supertuning_comparison_reports_both_methods_and_neuroada_covers_and_unmerges_exactly(tmp_path: Path) -> None:
+    report = tmp_path / "vs_supertuning.json"
+    command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "vs_supertuning.py"), "--model", "tiny"]
+    completed = subprocess.run([*command, "--json", str(report)], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = {(row["method"], row["k"]): row for row in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {(method, k) for method in ("neuroada", "supertuning") for k in (1, 2, 5, 20)}
+    for k in (1, 2, 5, 20):
+        neuroada, supertuning = rows[("neuroada", k)], rows[("supertuning", k)]
+        assert neuroada["coverage"]["all"] == 1.0 and neuroada["coverage"]["most_per_neuron"] == k
+        assert 0 < supertuning["coverage"]["all"] <= 1.0
+        assert neuroada["saved_bytes_per_parameter"] < supertuning["saved_bytes_per_parameter"]
+    for k in (1, 20):
+        for dtype in ("float32", "bfloat16"):
+            assert rows[("neuroada", k)]["unmerge"][dtype] == {"entries_changed": 0, "largest_difference": 0.0}
+            assert rows[("supertuning", k)]["unmerge"][dtype]["entries_changed"] >= 0
