@@ -44,6 +44,8 @@ RUFF_SETTINGS = [
     "--config=lint.isort.known-first-party=['peft']",
     "--config=lint.isort.lines-after-imports=2",
 ]
+# The rules of peft's `make quality` (its pyproject.toml's ruff lint selection), for checking the patched files.
+PEFT_LINT = ["--select=C,E,F,I,UP,W,PT009,RUF022,RUF068", "--ignore=C901,E501,F841,UP007,C420,UP045,B018"]
 LICENSE = """\
 # Copyright 2026-present the HuggingFace Inc. team.
 #

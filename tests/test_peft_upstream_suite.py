@@ -180,6 +180,19 @@ def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upst
     assert upstream_patch.PATCH.read_text() == built, "stale: run `python benchmarks/upstream_patch.py`"
 
 
+def test_every_python_file_the_patch_touches_passes_peft_s_lint_and_format(upstream_patch, patched_tree):
+    files = sorted(set(re.findall(r"(?m)^\+\+\+ b/(\S+\.py)$", upstream_patch.PATCH.read_text())))
+    assert len(files) >= 15
+    for command in (["check", *upstream_patch.PEFT_LINT], ["format", "--check"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, *upstream_patch.RUFF_SETTINGS, *files],
+            capture_output=True,
+            text=True,
+            cwd=patched_tree,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_peft_s_tests_pass_for_neuroada_in_peft_s_tree_with_the_plugin_absent(peft_run, patched_tree):
     assert peft_run["process"] == {
         "peft": str(patched_tree / "src" / "peft" / "__init__.py"),
