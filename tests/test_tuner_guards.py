@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
+from peft.utils.quantization_utils import ForwardOnlyQuantizationBackend
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.tuner import config as tuner_config
@@ -109,3 +110,27 @@ def test_an_adapter_loaded_on_another_base_with_the_same_shapes_warns_naming_the
     q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
     saved = reloaded.get_submodule(q_proj).placement("default").cols
     assert torch.equal(moved.get_submodule(q_proj).placement("default").cols, saved)  # loaded as saved
+
+
+class ForwardOnlyLinear(torch.nn.Module):
+    """A stand-in for a GPTQ/AWQ/EETQ layer: peft runs its forward but cannot read its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.int32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., :4]
+
+
+def test_the_tuner_alone_refuses_a_layer_peft_can_run_but_not_dequantize_at_injection(monkeypatch):
+    forward_only = ForwardOnlyQuantizationBackend("gptq")
+    monkeypatch.setattr(
+        tuner_model,
+        "resolve_quantization_backend",
+        lambda base, **kwargs: forward_only if isinstance(base, ForwardOnlyLinear) else None,
+    )
+    base = torch.nn.Sequential(ForwardOnlyLinear())
+    with pytest.raises(TypeError, match="module '0': peft cannot dequantize gptq weights.*Load the base model"):
+        tuner_model.NeuroAdaModel(base, tuner_config.NeuroAdaConfig(target_modules=["0"]), "default")
+    assert type(base[0]) is ForwardOnlyLinear

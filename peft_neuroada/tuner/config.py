@@ -58,7 +58,28 @@ def _field(default: Any, text: str) -> Any:
 @dataclass
 class NeuroAdaConfig(PeftConfig):
     """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
-    deltas on selected inputs, stored with their column indices; the frozen weight is never copied. See the README."""
+    deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
+
+    Args:
+        k (`int`): Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
+        target_modules (`list[str] | str | None`): Module names, a regex or 'all-linear'; None: the model's default
+            projections (attention q/k/v/o, MLP gate/up/down).
+        exclude_modules (`list[str] | str | None`): Module names or a regex to leave untouched.
+        target_parameters (`list[str] | None`): Parameters adapted by name, as LoRA's: MoE experts' 3-D weights
+            (e.g. 'experts.gate_up_proj'), k per neuron of each expert. None with target_modules None: the model's
+            expert projections.
+        layers_to_transform (`list[int] | int | None`): Layer indices to adapt (all when None).
+        layers_pattern (`list[str] | str | None`): The name of the model's list of layers, with layers_to_transform.
+        selection (`str`): How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
+        selection_seed (`int`): Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
+        neuron_fraction (`float`): Share of each layer's neurons that is tuned (the paper's coverage ablation).
+        fan_in_fan_out (`bool`): True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
+        init_weights (`bool`): Zero deltas, so the model starts as its base; False: random ones, for tests.
+        bias (`str`): Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
+        delta_dtype (`str | None`): 'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's
+            `autocast_adapter_dtype`.
+        modules_to_save (`list[str] | None`): Extra modules trained fully and saved with the adapter.
+    """
 
     k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
     target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")

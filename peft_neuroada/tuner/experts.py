@@ -68,7 +68,7 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
     )
     raise ValueError(
         f"NeuroAda cannot tell which axis of '{name}' {tuple(param.shape)} of {type(module).__name__} holds its "
-        f"output neurons: {why} (peft_neuroada/tuner/experts.py). Leave it out of target_parameters (name the "
+        f"output neurons: {why} (the tuner's experts.py). Leave it out of target_parameters (name the "
         "others), or, for a class of your own, set `is_transposed` on it or add it to WEIGHT_LAYOUTS: 'out_in' if "
         "its forward computes F.linear(x, W[e]), 'in_out' if x @ W[e]."
     )

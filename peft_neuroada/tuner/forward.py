@@ -29,7 +29,7 @@ COMPACT_INPUT_MAX_SHARE = 0.5
 FEW_TOKENS = "few tokens without gradients: the bypass costs less than a copy of the weight"
 _LINEAR_MODULES = (nn.Linear, Conv1D)
 _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
-# torch's registries of global module hooks, the one private torch name the tuner reads (docs/design.md): the copy
+# torch's registries of global module hooks, the one private torch name the tuner reads (no public API tells): the copy
 # path skips the base layer's call, so it must know whether a global hook would have seen it.
 _GLOBAL_HOOKS = (
     module_hooks._global_forward_hooks,

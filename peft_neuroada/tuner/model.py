@@ -16,6 +16,7 @@ from peft.tuners.tuners_utils import (
 )
 from peft.utils import get_quantization_kwargs, resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.quantization_utils import ForwardOnlyQuantizationBackend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -116,6 +117,7 @@ class NeuroAdaModel(BaseTuner):
         mark_shared_weights(model)
 
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
+        """Tags the model card, as peft tags LoRA's."""
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada"])  # in the model card save_pretrained and push_to_hub write
 
@@ -129,6 +131,7 @@ class NeuroAdaModel(BaseTuner):
         current_key: str,
         **optional_kwargs: Any,
     ) -> None:
+        """A NeuroAda layer (or expert wrapper) in place of `target`, or a new adapter on one already there."""
         parameter_name = optional_kwargs.get("parameter_name")
         if isinstance(target, NeuroAdaLayer) and getattr(target, "parameter_name", None) == parameter_name:
             target.update_layer(adapter_name, config, layer_name=current_key)
@@ -158,7 +161,14 @@ class NeuroAdaModel(BaseTuner):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         kwargs = get_quantization_kwargs(tuner)
         linear = isinstance(base, (nn.Linear, Conv1D))
-        if not linear and getattr(resolve_quantization_backend(base, **kwargs), "layer_type", None) != "linear":
+        backend = None if linear else resolve_quantization_backend(base, **kwargs)
+        if isinstance(backend, ForwardOnlyQuantizationBackend):  # (selection reads the weights, which these hide)
+            raise TypeError(
+                f"NeuroAda cannot adapt module '{current_key}': peft cannot dequantize {backend.backend_name} "
+                "weights, and NeuroAda selects each neuron's inputs on them. Load the base model unquantized or with "
+                "bitsandbytes, HQQ or torchao, or leave the module out of target_modules."
+            )
+        if not linear and getattr(backend, "layer_type", None) != "linear":
             raise TypeError(
                 f"NeuroAda cannot adapt module '{current_key}' of type {type(base).__name__}: only torch.nn.Linear, "
                 "transformers' Conv1D and the quantized linear layers peft knows are supported. Remove it from "
@@ -175,6 +185,7 @@ class NeuroAdaModel(BaseTuner):
         return {"fan_in_fan_out": fan_in_fan_out, "layer_name": current_key, **kwargs}
 
     def _check_merge_allowed(self) -> None:
+        """peft's, then which weights are shared now (a merge into one would change its other holders)."""
         super()._check_merge_allowed()
         mark_shared_weights(self.model)
 
@@ -221,7 +232,7 @@ class NeuroAdaModel(BaseTuner):
         )
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        # An explicit delta_dtype is the user's choice and must survive peft's float32 upcast.
+        """peft's float32 upcast, except where delta_dtype is the user's explicit choice."""
         if self.peft_config[adapter_name].delta_dtype is None:
             super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
 

@@ -1,7 +1,7 @@
 """The three sparse products of the bypass and the deltas' gradient, one torch kernel each: `sampled_grad` (the dense
 weight gradient at the placement, SDDMM), `bypass_forward` (`(P ⊙ Θ) x`, CSR times dense) and `bypass_input_grad` (its
 transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`) they run as k passes
-of gathers; `sampled_grad` does so for small k too, where that is faster (docs/performance.md).
+of gathers; `sampled_grad` does so for small k too, where that is faster (measured on the CPU).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (docs/design.md, "Per op")
+COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (measured on the CPU)
 # Up to this many (token, delta) pairs the forward gathers the inputs it reads instead of building a sparse matrix.
 GATHER_MAX_ENTRIES = 1 << 16
 

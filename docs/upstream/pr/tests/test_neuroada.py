@@ -10,6 +10,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from peft import NeuroAdaConfig, PeftModel, get_peft_model
 from peft.tuners.neuroada import ParamWrapper
+from peft.tuners.neuroada.index_storage import to_buffer
 
 
 class MLP(nn.Module):
@@ -172,3 +173,39 @@ class TestNeuroAdaExperts:
         assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=1e-5)
         model.unmerge_adapter()
         assert bit_equal(weights(base), original)
+
+
+def with_column(model, adapter_name: str, column: int) -> dict[str, torch.Tensor]:
+    """The model's state dict with neuron 0's first saved column of `lin0` set to `column`."""
+    layer = model.base_model.model.lin0
+    cols = layer.placement(adapter_name).cols.clone()
+    cols[0, 0] = column
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state[f"base_model.model.lin0.neuroada_indices.{adapter_name}"] = to_buffer(cols, layer.in_features)
+    return state
+
+
+class TestNeuroAdaIndexGuards:
+    @pytest.mark.parametrize(
+        ("column", "message"), [(16 + 3, "has only 16 inputs"), (-1, r"range over \[-1"), (None, "twice")]
+    )
+    def test_bad_columns_in_a_state_dict_are_refused_before_anything_loads(self, column, message):
+        model = neuroada_mlp(k=2)
+        layer = model.base_model.model.lin0
+        column = int(layer.placement("default").cols[0, 1]) if column is None else column
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        with pytest.raises(ValueError, match=message):
+            model.load_state_dict(with_column(model, "default", column))
+        assert bit_equal(model.state_dict(), before)
+
+    def test_a_merge_refuses_columns_written_since_and_writes_nothing(self):
+        model = neuroada_mlp(k=2)
+        layer = model.base_model.model.lin0
+        with torch.no_grad():
+            layer.neuroada_indices["default"].copy_(
+                with_column(model, "default", 16 + 3)["base_model.model.lin0.neuroada_indices.default"]
+            )
+        original = weights(model)
+        with pytest.raises(ValueError, match="Nothing was written"):
+            model.merge_adapter()
+        assert bit_equal(weights(model), original)
