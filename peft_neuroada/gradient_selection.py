@@ -109,8 +109,7 @@ def check_reselectable(layer: NeuroAdaLayer, adapter_name: str) -> None:
             "forward hides each expert's input. Use selection='magnitude' for target_parameters, or leave them out "
             "of this adapter (target_parameters=[])."
         )
-    if adapter_name in layer.merged_adapters:
-        raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+    _refuse_merged(layer, adapter_name)
     if not layer.neuroada_delta[adapter_name].requires_grad:
         raise ValueError(
             f"Adapter '{adapter_name}' does not train (loaded for inference, or not the active adapter); "
@@ -121,9 +120,13 @@ def check_reselectable(layer: NeuroAdaLayer, adapter_name: str) -> None:
 
 def reselect(layer: NeuroAdaLayer, adapter_name: str, cols: torch.Tensor) -> None:
     """Move an unmerged adapter to new input columns (same neurons) and restart its deltas from initialisation."""
-    if adapter_name in layer.merged_adapters:
-        raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
+    _refuse_merged(layer, adapter_name)
     delta = layer.neuroada_delta[adapter_name]
     layer.neuroada_indices[adapter_name] = to_buffer(cols, layer.in_features)
     with torch.no_grad():
         delta.copy_(layer._initial_delta(adapter_name, *delta.shape, delta.dtype))
+
+
+def _refuse_merged(layer: NeuroAdaLayer, adapter_name: str) -> None:
+    if adapter_name in layer.merged_adapters:
+        raise ValueError(f"Adapter '{adapter_name}' is merged; unmerge it before selecting its inputs again.")
