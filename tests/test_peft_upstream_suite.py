@@ -7,8 +7,8 @@ NeuroAda rows, `tests/test_neuroada.py` and the registration all come from the p
 What runs: every NeuroAda case of test_custom_models.py, test_config.py (but the three tests that read an adapter
 repository on the Hub) and test_neuroada.py. The test files whose models come from the Hub (decoder, encoder-decoder,
 feature-extraction, sequence-classification) are collected with their NeuroAda cases for every model; those of the
-decoder, feature-extraction and sequence-classification files run on one architecture each, built here from a config
-as a local stand-in for peft's tiny Hub model of that class (`STAND_INS`).
+four files run on one architecture each, built here from a config as a local stand-in for peft's tiny Hub model of
+that class (`STAND_INS`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     BertConfig,
     BertForSequenceClassification,
     BertModel,
@@ -59,12 +61,27 @@ TRANSFORMERS_DEPRECATIONS = (
 )
 TINY = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 # Per Hub-model test file, the model its NeuroAda cases run on here: a local stand-in for peft's tiny Hub model of that
-# class, built from a config (the paper's Llama for decoders, BERT for encoders). The encoder-decoder file's cases are
-# collected only: on BART they take about 45 s on a shared 2-core machine, as long as all the others together.
+# class, built from a config (the paper's Llama for decoders, BERT for encoders, BART for encoder-decoders).
 STAND_INS: dict[str, tuple[str, Callable[[], PreTrainedModel]]] = {
     "tests/test_decoder_models.py": (
         "trl-internal-testing/tiny-random-LlamaForCausalLM",
         lambda: LlamaForCausalLM(LlamaConfig(vocab_size=128, num_key_value_heads=2, **TINY)),
+    ),
+    "tests/test_encoder_decoder_models.py": (
+        "peft-internal-testing/tiny-random-BartForConditionalGeneration",
+        lambda: BartForConditionalGeneration(
+            BartConfig(
+                vocab_size=128,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                max_position_embeddings=64,
+            )
+        ),
     ),
     "tests/test_feature_extraction_models.py": (
         "peft-internal-testing/tiny-random-BertModel",
