@@ -91,7 +91,7 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
     def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
         super()._post_injection_hook(model, config, adapter_name)
         if hasattr(model, "add_model_tags"):
-            model.add_model_tags(["peft-neuroada"])
+            model.add_model_tags(["neuroada", "peft-neuroada"])  # in the card save_pretrained writes
         if config.selection == "gradient" and not config.inference_mode:
             warnings.warn(
                 f"Adapter '{adapter_name}' uses selection='gradient': inputs are chosen by magnitude until you call "

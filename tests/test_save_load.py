@@ -249,6 +249,11 @@ def test_loading_an_index_repeated_where_selection_never_repeats_one_is_refused(
     assert torch.equal(hidden(base, token_batch), before)
 
 
+def test_the_saved_model_card_is_tagged_with_the_method_and_the_package(tmp_path):
+    get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)).save_pretrained(tmp_path)
+    assert {"neuroada", "peft-neuroada"} <= set(ModelCard.load(tmp_path / "README.md").data.tags)
+
+
 def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1, init_weights=False))
     api = mock.MagicMock()

@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 from .config import NeuroAdaConfig
 from .forward import merged_copy
 from .layer import NeuroAdaLayer
-from .placement import Placement, positions, write_placed_
+from .placement import Placement, entry_index, write_placed_
 
 MIXED_BATCH_REFUSAL = (
     "NeuroAda target_parameters (expert weights) do not serve mixed batches (`adapter_names`), as peft's LoRA "
@@ -210,11 +210,10 @@ class _AddedAtPlacements(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
         oriented = grad.transpose(-2, -1) if ctx.transposed else grad
         needed = ctx.needs_input_grad[3:]
         grads = [
-            grad.view(-1)[positions(oriented, placement)].to(dtype) if need else None
+            oriented[entry_index(oriented, placement)].to(dtype) if need else None
             for placement, dtype, need in zip(ctx.placements, ctx.delta_dtypes, needed, strict=True)
         ]
         return grad if ctx.needs_input_grad[0] else None, None, None, *grads

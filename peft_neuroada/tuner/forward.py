@@ -18,7 +18,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import products
-from .placement import Placement, placed_entries, positions, unique_columns
+from .placement import Placement, entry_index, placed_entries, unique_columns
 
 # The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k) float32 (`products.sampled_grad`'s contract).
 SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -63,10 +63,8 @@ def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str 
 def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up)."""
     copy = weight.detach().clone()
-    flat = copy.as_strided((copy.numel(),), (1,))  # (a clone of a (d_out, d_in) view is dense in its own strides)
     for placement, delta in zip(placements, deltas, strict=True):
-        at = positions(copy, placement)
-        flat[at] = flat[at] + delta.detach().to(copy.dtype)
+        copy.index_put_(entry_index(copy, placement), delta.detach().to(copy.dtype), accumulate=True)
     return copy
 
 

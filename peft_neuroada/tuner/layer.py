@@ -57,7 +57,9 @@ def unreadable_weight(base: nn.Module) -> str | None:
 @contextmanager
 def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
     """accelerate's hooks of `containers` run around the block as around a call: their tensors are in memory (on
-    the hooks' execution device) within it and offloaded again after it."""
+    the hooks' execution device) within it and offloaded again after it. Not peft's `onload_layer`, which also
+    onloads the base layer (its own hook does that at the call) and writes a disk-offloaded one back after the block:
+    right for a merge, a needless write on every forward."""
     for container in containers:
         container._hf_hook.pre_forward(container)
     try:

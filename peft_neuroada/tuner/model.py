@@ -61,8 +61,7 @@ class NeuroAdaModel(BaseTuner):
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """peft checks adapter tensors only in `set_peft_model_state_dict`; resumes (Trainer, accelerate, DeepSpeed,
-        FSDP) call `load_state_dict` directly. A load pre-hook sees both, and checks every layer before any loads."""
+        """Checks every layer's indices before any loads, for resumes that call `load_state_dict` (peft does not)."""
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(_check_before_load)
 
@@ -70,8 +69,7 @@ class NeuroAdaModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: NeuroAdaConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """peft's, with the saved tensors checked and saved columns of any layout turned into the layer's buffers;
-        warns when they look selected on another base model (same shapes, other weights), which peft cannot notice."""
+        """peft's, with saved indices checked and turned into the layers' buffers; warns if chosen on another base."""
         remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
         elsewhere = [
             name
@@ -98,8 +96,7 @@ class NeuroAdaModel(BaseTuner):
         return peft_config
 
     def _check_new_adapter_config(self, config: NeuroAdaConfig) -> None:
-        """As peft's LoRA: every adapter with target_parameters targets the same ones (their wrappers nest in one
-        order, which the saved keys encode)."""
+        """As LoRA's: adapters with target_parameters target the same ones (the saved keys encode the nesting)."""
         super()._check_new_adapter_config(config)
         for name, other in self.peft_config.items():
             if other is not config and other.target_parameters and config.target_parameters:
@@ -111,15 +108,9 @@ class NeuroAdaModel(BaseTuner):
                     )
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """peft's, then which layers share their weight with other modules, after every adapter (the first one's
-        `_post_injection_hook` alone would miss layers `add_adapter` and `load_adapter` make)."""
+        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too."""
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         mark_shared_weights(model)
-
-    def _post_injection_hook(self, model: nn.Module, config: NeuroAdaConfig, adapter_name: str) -> None:
-        """Tags the model card, as peft tags LoRA's."""
-        if hasattr(model, "add_model_tags"):
-            model.add_model_tags(["neuroada"])  # in the model card save_pretrained and push_to_hub write
 
     def _create_and_replace(
         self,
@@ -191,8 +182,7 @@ class NeuroAdaModel(BaseTuner):
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """Mixed-batch inference (`adapter_names=[...]` in forward/generate) as peft's LoRA offers it: forward
-        pre-hooks hand each NeuroAda layer and `modules_to_save` wrapper its rows' names for the call."""
+        """Mixed batches (`adapter_names=[...]`) as LoRA's: pre-hooks hand each layer its rows' adapter names."""
         mixed = self._mixed_batch(kwargs.pop("adapter_names", None), kwargs.get("num_beams"))
         if mixed is None:
             yield
@@ -232,7 +222,7 @@ class NeuroAdaModel(BaseTuner):
         )
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        """peft's float32 upcast, except where delta_dtype is the user's explicit choice."""
+        """peft's float32 upcast, but not of deltas whose `delta_dtype` the saved config fixes (the paper's bf16)."""
         if self.peft_config[adapter_name].delta_dtype is None:
             super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
 

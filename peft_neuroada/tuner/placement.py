@@ -26,31 +26,25 @@ def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return used, local.to(cols.dtype).view(cols.shape)
 
 
-def storage_view(weight: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of the weight's storage, through `weight.data`: writes never move the version counter, so another
-    graph that saved the weight still runs its backward (a merge is the model's new weight, as LoRA's merge through
-    `weight.data` makes it)."""
-    weight = weight.data
-    return weight.as_strided((weight.numel(),), (1,), weight.storage_offset())
-
-
-def positions(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Where the placement's entries sit in `storage_view(weight)`, shaped like the deltas (any strides, any
-    neurons). A stack of experts' weights (E, d_out, d_in) counts its neurons expert after expert: neuron
-    `e * d_out + i`."""
-    cols = placement.cols
+def entry_index(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, ...]:
+    """The placement's entries of a (d_out, d_in) `weight`, or an (E, d_out, d_in) stack, as an index tuple shaped like
+    the deltas (a stack counts its neurons expert after expert: neuron `e * d_out + i`). Indexing the tensor itself
+    reads and writes any strides, a transposed view's included."""
+    cols = placement.cols.long()
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
     if weight.dim() == 3:
         expert, rows = rows.div(weight.shape[1], rounding_mode="floor"), rows.remainder(weight.shape[1])
-        return (expert * weight.stride(0) + rows * weight.stride(1))[:, None] + cols.long() * weight.stride(2)
-    return rows[:, None] * weight.stride(0) + cols.long() * weight.stride(1)
+        return expert[:, None], rows[:, None], cols
+    return rows[:, None], cols
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """The entries of a (d_out, d_in) `weight` (or an (E, d_out, d_in) stack) at the placement, shaped like the
-    deltas."""
-    return storage_view(weight)[positions(weight, placement)]
+    """The entries of `weight` at the placement, shaped like the deltas."""
+    return weight.detach()[entry_index(weight, placement)]
 
 
 def write_placed_(weight: torch.Tensor, placement: Placement, values: torch.Tensor) -> None:
-    storage_view(weight).index_put_((positions(weight, placement),), values)
+    """Write `values` at the placement through `weight.data`: the version counter does not move, so another graph
+    that saved the weight still runs its backward (a merge is the model's new weight, as LoRA's merge through
+    `weight.data` makes it)."""
+    weight.data.index_put_(entry_index(weight, placement), values)
