@@ -380,6 +380,20 @@ def test_packed_columns_saved_in_int64_load_like_int32_ones(tmp_path, token_batc
     )
 
 
+def test_columns_saved_as_n_by_k_int32_load_on_any_host(tmp_path, token_batch):
+    """The layout a big-endian host saves, and every machine before the columns were packed."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    layers = [key.removesuffix(".neuroada_indices") for key in tensors if key.endswith("neuroada_indices")]
+    unpacked = {f"{layer}.neuroada_indices": saved_cols(tensors, layer).to(torch.int32) for layer in layers}
+    save_file(tensors | unpacked, tmp_path / "adapter_model.safetensors")
+    assert all(t.dim() == 2 for t in unpacked.values())
+    assert torch.equal(
+        logits(PeftModel.from_pretrained(tiny_llama(), tmp_path), token_batch), logits(model, token_batch)
+    )
+
+
 def test_transformers_load_adapter_reproduces_a_smollm2_adapter(smollm2_path, smollm2_tokenizer, tmp_path):
     tokens = smollm2_tokenizer(["The capital of France is"], return_tensors="pt")["input_ids"]
     model = gradient_selected_adapter(AutoModelForCausalLM.from_pretrained(smollm2_path), tokens)
