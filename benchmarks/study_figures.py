@@ -209,18 +209,7 @@ def cost_figure(cost: dict, path: Path) -> None:
 def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]) -> str:
     """The sweeps (dev accuracy per learning rate, the chosen one in bold), the test table and the paired
     differences, for docs/results.md."""
-    rates = common.chosen_rates(runs)
-    rows = ["| method | budget | dev accuracy per learning rate |", "|---|---:|---|"]
-    for (family, size), rate in sorted(rates.items(), key=in_budget_order):
-        swept = sorted(
-            (run for run in runs if run["phase"] == "sweep" and (run["family"], run["size"]) == (family, size)),
-            key=lambda run: run["learning_rate"],
-        )
-        cells = [f"{run['learning_rate']:.0e}: {100 * run['accuracy']:.1f}" for run in swept]
-        cells = [
-            f"**{cell}**" if run["learning_rate"] == rate else cell for cell, run in zip(cells, swept, strict=True)
-        ]
-        rows.append(f"| {family} | {size} | {', '.join(cells)} |")
+    rows = [sweep_markdown(runs)]
     rows += [
         "",
         "| method | budget | trainable | learning rate | test accuracy, mean ± sd (%) | seeds |",
@@ -249,6 +238,20 @@ def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]
             f"{interval(reading.bootstrap_corrected)} ({reading.bootstrap_holm_p:.2f}) | {interval(reading.seed_t)} | "
             f"{interval(reading.seed_corrected)} ({reading.seed_holm_p:.2f}) | {reading_text} |"
         )
+    return "\n".join(rows)
+
+
+def sweep_markdown(runs: list[dict]) -> str:
+    """Per budget, the mean dev accuracy over the sweep seeds at each learning rate, the chosen one in bold."""
+    rows = ["| method | budget | dev accuracy per learning rate (mean over the sweep seeds) |", "|---|---:|---|"]
+    for (family, size), rate in sorted(common.chosen_rates(runs).items(), key=in_budget_order):
+        scores: dict[float, list[float]] = {}
+        for run in runs:
+            if run["phase"] == "sweep" and (run["family"], run["size"]) == (family, size):
+                scores.setdefault(run["learning_rate"], []).append(100 * run["accuracy"])
+        cells = [f"{lr:.1e}: {statistics.mean(at):.1f}" for lr, at in sorted(scores.items())]
+        cells = [f"**{cell}**" if lr == rate else cell for cell, lr in zip(cells, sorted(scores), strict=True)]
+        rows.append(f"| {family} | {size} | {', '.join(cells)} |")
     return "\n".join(rows)
 
 
@@ -309,6 +312,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     study = json.loads(args.results.read_text())
     table = points(study["runs"])
+    if not table:  # a resumable study stopped before its test runs: where its sweeps stand
+        print(sweep_markdown(study["runs"]))
+        print(f"\nNo test runs in {args.results} yet: no figures, and nothing to compare.")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     read = read_pairs(table)
     accuracy_figure(table, read, study["settings"], args.out / f"{args.prefix}accuracy.png")

@@ -173,6 +173,17 @@ def test_the_committed_study_data_draws_the_documented_figures(tmp_path: Path) -
     assert {path.name for path in tmp_path.glob("*.png")} == {"accuracy.png", "cost.png"}
 
 
+def test_a_study_stopped_before_its_test_runs_reports_its_sweeps_and_draws_nothing(tmp_path: Path) -> None:
+    study = json.loads((BENCHMARKS.parent / "docs" / "study" / "results.json").read_text())
+    swept = {**study, "runs": [run for run in study["runs"] if run["phase"] == "sweep"]}
+    (tmp_path / "swept.json").write_text(json.dumps(swept))
+    figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--results", str(tmp_path / "swept.json")]
+    drawn = subprocess.run([*figures, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert "| neuroada | 20 |" in drawn.stdout and "**" in drawn.stdout and "No test runs" in drawn.stdout
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_the_confirmatory_runs_sweep_finer_on_two_seeds_and_test_fresh_questions_with_loss_curves(tmp_path) -> None:
     """study_confirm.py's dry run: NeuroAda k=20 and mask-based k=20 swept at half, once and twice the first study's
     rate on two new seeds, tested on new seeds and on questions no earlier reading saw, and asked again in bf16,
