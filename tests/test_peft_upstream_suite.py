@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -39,6 +40,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
 )
+
+from tests.conftest import save_tiny_llama
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RUN_FILES = ("tests/test_custom_models.py", "tests/test_config.py", "tests/test_neuroada.py")
@@ -147,23 +150,32 @@ def hub_cache(folder: Path) -> Path:
     return folder
 
 
+def without_the_plugin(patched_tree: Path, scratch: Path, *more_paths: Path) -> dict[str, str]:
+    """The environment of a process on the patched tree, offline, where `peft_neuroada` cannot be imported (a package
+    of that name that raises on import comes first on the path) and its start-up hook is off."""
+    blocked = scratch / "blocked" / "peft_neuroada"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("the plugin is not installed in this run")\n')
+    paths = (patched_tree / "src", blocked.parent, *more_paths)
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(path) for path in paths),
+        "PEFT_NEUROADA_NO_AUTOLOAD": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
 @pytest.fixture(scope="module")
 def peft_run(patched_tree, tmp_path_factory) -> dict:
     """peft's tests, `-k neuroada`, in a fresh interpreter on the patched tree: the JUnit test cases, every collected
     case id, and which peft ran."""
     scratch = tmp_path_factory.mktemp("peft-run")
-    blocked = scratch / "blocked" / "peft_neuroada"
-    blocked.mkdir(parents=True)
-    (blocked / "__init__.py").write_text('raise ImportError("the plugin is not installed in this run")\n')
     plugin = scratch / "plugin"
     plugin.mkdir()
     shutil.copy(Path(__file__).with_name("peft_tree_plugin.py"), plugin)
     report, junit = scratch / "report.json", scratch / "junit.xml"
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(str(path) for path in (patched_tree / "src", blocked.parent, plugin)),
-        "PEFT_NEUROADA_NO_AUTOLOAD": "1",
-        "HF_HUB_OFFLINE": "1",
+        **without_the_plugin(patched_tree, scratch, plugin),
         "HF_HUB_CACHE": str(hub_cache(scratch / "hub")),
         "NEUROADA_STAND_INS": json.dumps([model_id for model_id, _ in STAND_INS.values()]),
         "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
@@ -259,3 +271,23 @@ def test_hub_model_tests_run_neuroada_cases_on_a_local_stand_in(peft_run, patche
     model_id = STAND_INS[file][0]
     assert model_id in models_tested(patched_tree / file)
     assert len(ran(peft_run["cases"], file, model_id)) >= 10
+
+
+def test_the_example_fine_tunes_and_saves_an_adapter_with_peft_alone(patched_tree, smollm2_tokenizer, tmp_path):
+    """examples/neuroada_finetuning as its README runs it, on a local model and a local text dataset."""
+    model = save_tiny_llama(tmp_path / "model", smollm2_tokenizer)
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [f"Question {i}: what is {i} plus {i}? Answer: {2 * i}." for i in range(4)]
+    (data / "train.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    adapter = tmp_path / "adapter"
+    command = [sys.executable, "examples/neuroada_finetuning/neuroada_finetuning.py", "--base_model", str(model)]
+    command += ["--data_path", str(data), "--output_dir", str(adapter), "--k", "2", "--batch_size", "2"]
+    command += ["--gradient_accumulation_steps", "1"]
+    env = without_the_plugin(patched_tree, tmp_path)
+    run = subprocess.run(command, capture_output=True, text=True, cwd=patched_tree, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["k"]) == ("NEUROADA", 2)
+    deltas = [t for key, t in load_file(adapter / "adapter_model.safetensors").items() if "neuroada_delta" in key]
+    assert len(deltas) == 14 and all(delta.abs().sum() > 0 for delta in deltas)  # 7 projections x 2 layers, trained
