@@ -7,6 +7,8 @@ that count every expert's neurons; the variants that can only reach `nn.Linear` 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -120,10 +122,19 @@ def build_model(name: str, dtype: torch.dtype, quantize: str | None = None) -> P
 
 
 def saved_random_model(name: str) -> Path:
-    """The seeded random model saved once under the cache, so every process can load it quantized."""
+    """The seeded random model saved once under the cache, so every process can load it quantized. Saved whole beside
+    it and then renamed into place: processes running at once (the suite's workers) never read a half-saved one."""
     path = cache_root() / "benchmarks" / name
     if not (path / "config.json").exists():
-        build_model(name, torch.float32).save_pretrained(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{name}-"))
+        build_model(name, torch.float32).save_pretrained(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another process renamed its copy into place first
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (path / "config.json").exists():
+                raise
     return path
 
 
