@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
+import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,6 +24,21 @@ def cache_root() -> Path:
     """`$PEFT_NEUROADA_CACHE` (unless empty), else `~/.cache/peft_neuroada`: a process without a home can name one."""
     configured = os.environ.get("PEFT_NEUROADA_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "peft_neuroada"
+
+
+def save_model_folder_once(target: Path, save: Callable[[Path], None]) -> None:
+    """Run `save(folder)` on a new folder beside `target` and rename it into place, so that no process (the test
+    suite's workers run at once) reads a half-saved model; if another process's copy got there first, keep that one
+    (a model folder is complete once its config.json is in place)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        save(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
 
 
 class UntrustedPath(Exception):

