@@ -249,8 +249,10 @@ def sweep_markdown(runs: list[dict]) -> str:
         for run in runs:
             if run["phase"] == "sweep" and (run["family"], run["size"]) == (family, size):
                 scores.setdefault(run["learning_rate"], []).append(100 * run["accuracy"])
-        cells = [f"{lr:.1e}: {statistics.mean(at):.1f}" for lr, at in sorted(scores.items())]
-        cells = [f"**{cell}**" if lr == rate else cell for cell, lr in zip(cells, sorted(scores), strict=True)]
+        cells = []
+        for lr, at in sorted(scores.items()):
+            cell = f"{lr:.1e}: {statistics.mean(at):.1f}"
+            cells.append(f"**{cell}**" if lr == rate else cell)
         rows.append(f"| {family} | {size} | {', '.join(cells)} |")
     return "\n".join(rows)
 

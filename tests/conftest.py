@@ -23,15 +23,14 @@ from transformers import (
 )
 
 from peft_neuroada import NeuroAdaLayer  # importing the package registers the NEUROADA peft type
+from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.models import load_default_model
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # The suite runs in two pytest-xdist workers on the two cores: one torch thread each, in the processes specs start
     # too, so that the workers do not take each other's cores.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-
-from peft_neuroada.train.default_model import default_model_path
-from peft_neuroada.train.models import load_default_model
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
