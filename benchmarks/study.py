@@ -252,6 +252,27 @@ def load_model(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> PreTra
     return model.to(settings.device, getattr(torch, settings.dtype))
 
 
+STEP_TIME = {"cpu": "step_cpu_seconds", "cuda": "step_seconds"}  # a run's record names what its step time is
+
+
+class PeakMemory:
+    """A training run's peak memory growth over the loaded model: CUDA's `max_memory_allocated`, or on the CPU the
+    process's peak RSS (weights mapped from their file are made resident before the baseline)."""
+
+    def __init__(self, device: str, model: torch.nn.Module) -> None:
+        self.on_cuda = device == "cuda"
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+        else:
+            meters.fault_in(model)
+            self.baseline = meters.rss_bytes()
+            meters.reset_peak_rss()
+
+    def growth(self) -> int:
+        return (torch.cuda.max_memory_allocated() if self.on_cuda else meters.peak_rss_bytes()) - self.baseline
+
+
 class Study:
     """One results file: the settings its runs share and one record per finished run, rewritten after each run.
     A run already recorded is not run again; a file made with other settings is refused."""
@@ -323,21 +344,22 @@ class Study:
         )
         batches = self.task.batches(seed)
         model.train()
-        meters.fault_in(model)  # weights mapped from their file are resident before the baseline
-        baseline, losses, step_seconds = meters.rss_bytes(), [], []
-        meters.reset_peak_rss()
+        memory = PeakMemory(settings.device, model)
+        # A CUDA step is timed by the wall clock (`loss.item()` waits for its kernels); a CPU step by its CPU time.
+        clock = time.perf_counter if settings.device == "cuda" else time.process_time
+        losses, step_seconds = [], []
         started = time.perf_counter()
         for _ in range(settings.steps):
-            step_started = time.process_time()
+            step_started = clock()
             loss = model(**{name: tensor.to(settings.device) for name, tensor in next(batches).items()}).loss
             loss.backward()
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 4))
-            step_seconds.append(time.process_time() - step_started)
+            step_seconds.append(clock() - step_started)
         seconds = time.perf_counter() - started
-        peak_growth = meters.peak_rss_bytes() - baseline
+        peak_growth = memory.growth()
         model.eval()
         accuracy, correct = self.task.score(model, split)
         record = {
@@ -348,7 +370,7 @@ class Study:
             "final_loss": losses[-1],
             "train_seconds": round(seconds, 1),
             "losses": losses,
-            "step_cpu_seconds": round(statistics.median(step_seconds[1:] or step_seconds), 3),
+            STEP_TIME[settings.device]: round(statistics.median(step_seconds[1:] or step_seconds), 3),
         }
         # In a process that ran other runs before, the allocator's cached memory would hide part of the growth.
         return record | ({"peak_growth_bytes": peak_growth} if self.isolated else {})

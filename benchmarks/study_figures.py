@@ -208,10 +208,10 @@ def cost_figure(cost: dict, path: Path) -> None:
 
 def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]) -> str:
     """The sweeps (dev accuracy per learning rate, the chosen one in bold), the test table and the paired
-    differences, for docs/results.md."""
-    rows = [sweep_markdown(runs)]
+    differences, for docs/results.md; a file whose rates were swept elsewhere (the bf16 question) has no sweeps."""
+    swept = any(run["phase"] == "sweep" for run in runs)
+    rows = [sweep_markdown(runs), ""] if swept else []
     rows += [
-        "",
         "| method | budget | trainable | learning rate | test accuracy, mean ± sd (%) | seeds |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -287,15 +287,17 @@ def loss_figure(table: dict[str, list[Point]], path: Path) -> None:
 
 def cost_markdown(table: dict[str, list[Point]]) -> str:
     """Each budget's accuracy beside what its runs measured of their cost, for a study whose runs ran in fresh
-    processes (their peak RSS growth over the loaded model is their own)."""
+    processes (their peak memory growth over the loaded model is their own: CUDA's, or the CPU's peak RSS)."""
+    on_cuda = all("step_seconds" in p.runs[0] for entries in table.values() for p in entries)
+    key, clock = ("step_seconds", "s per step (wall)") if on_cuda else ("step_cpu_seconds", "CPU s per step")
     rows = [
-        "| method | budget | test accuracy, mean ± sd (%) | peak growth, mean (MiB) | CPU s per step, median |",
+        f"| method | budget | test accuracy, mean ± sd (%) | peak growth, mean (MiB) | {clock}, median |",
         "|---|---:|---:|---:|---:|",
     ]
     for family, entries in table.items():
         for p in entries:
             growth = statistics.mean(run["peak_growth_bytes"] for run in p.runs) / 2**20
-            step = statistics.median(run["step_cpu_seconds"] for run in p.runs)
+            step = statistics.median(run[key] for run in p.runs)
             rows.append(
                 f"| {family} | {p.size} | {statistics.mean(p.scores):.1f} ± {p.spread:.1f} | {growth:,.0f} | "
                 f"{step:.2f} |"

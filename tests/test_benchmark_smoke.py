@@ -203,7 +203,10 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
     shared_datasets()  # the study's scale-up trains on commonsense_15k
     completed = subprocess.run(
-        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path)], capture_output=True, text=True, timeout=600
+        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), "random", "bf16", "scaleup"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
     assert "torch" in (tmp_path / "gpu.txt").read_text()
@@ -212,6 +215,9 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     variants += ["lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
+    question = json.loads((tmp_path / "confirm-bf16.json").read_text())
+    assert question["settings"]["dtype"] == "bfloat16"
+    assert {(run["family"], run["size"]) for run in question["runs"]} == {("neuroada", 20), ("mask", 20)}
     study = json.loads((tmp_path / "study-cuda.json").read_text())
     assert study["settings"]["task"] == "commonsense" and {run["phase"] for run in study["runs"]} == {"sweep", "test"}
     budgets = {(run["family"], run["size"]) for run in study["runs"]}
