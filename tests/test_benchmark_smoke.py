@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
@@ -27,6 +28,7 @@ VARIANTS = [
     "neuroada-k20",
     "neuroada-k20-frozen",
     "neuroada-k20-triton",
+    "neuroada-k20-dense-grad",
     "lora-budget",
     "lora-r8",
     "shira-budget",
@@ -127,6 +129,28 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
     assert all(float(row[-1]) > 0 for row in rows)
 
 
+def test_the_dense_then_gathered_delta_gradient_keeps_the_tuners_contract() -> None:
+    """The GPU candidate for the deltas' gradient gives the (n, k) float32 values the tuner's own product gives, for
+    all rows and for a subset of rows (experts' placements), from bf16 inputs too."""
+    from peft_neuroada.tuner.products import sampled_grad
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from cost.variants import dense_sampled_grad
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(24, 16, generator=generator), torch.randn(24, 10, generator=generator)
+    cols = torch.randint(0, 16, (10, 5), generator=generator, dtype=torch.int32)
+    rows = torch.tensor([1, 4, 7], dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows_taken, cols_taken in ((None, cols), (rows, cols[:3])):
+            expected = sampled_grad(x.to(dtype), grad.to(dtype), cols_taken, rows_taken)
+            got = dense_sampled_grad(x.to(dtype), grad.to(dtype), cols_taken, rows_taken)
+            assert got.dtype == torch.float32 and got.shape == expected.shape
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_calls_setup_is_entered_and_left_outside_its_timing(monkeypatch) -> None:
     """The paired floor switches its adapters off in a setup (peft's `disable_adapter` takes milliseconds): only the
     call itself counts."""
@@ -203,7 +227,7 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
     shared_datasets()  # the study's scale-up trains on commonsense_15k
     completed = subprocess.run(
-        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), "random", "bf16", "scaleup"],
+        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), "random", "profile", "bf16", "scaleup"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -211,10 +235,12 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
     assert "torch" in (tmp_path / "gpu.txt").read_text()
     results = json.loads((tmp_path / "train_cost-tiny.json").read_text())["results"]
-    variants = ["floor", "neuroada-k1", "neuroada-k20", "neuroada-k20-triton", "paper-scatter-k20", "mask-k20"]
-    variants += ["lora-budget", "full"]
+    variants = ["floor", "neuroada-k1", "neuroada-k20", "neuroada-k20-triton", "neuroada-k20-dense-grad"]
+    variants += ["paper-scatter-k20", "mask-k20", "lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
+    profiled = (tmp_path / "profile.txt").read_text()
+    assert "MergedCopyLinear" in profiled and "sampled_addmm" in profiled
     question = json.loads((tmp_path / "confirm-bf16.json").read_text())
     assert question["settings"]["dtype"] == "bfloat16"
     assert {(run["family"], run["size"]) for run in question["runs"]} == {("neuroada", 20), ("mask", 20)}

@@ -336,14 +336,23 @@ def measure_time(spec: RunSpec) -> Result:
 
 
 def run_isolated(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
-    """Run `measure(spec)` in a new process; a crash (or OOM kill) becomes that variant's error. Forked on the CPU;
-    spawned for CUDA, which a forked child cannot initialize once anything in the parent (an import, say) has."""
-    method = "spawn" if resolve_device(spec.device).type == "cuda" else "fork"
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context(method)) as pool:
+    """Run `measure(spec)` in a new (forked) process; a crash (or OOM kill) becomes that variant's error."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
         try:
             return pool.submit(measure, spec).result()
         except Exception as error:  # any failure belongs in the table, not in a traceback that hides the rest
             return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+
+
+def run_here(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
+    """Run `measure(spec)` in this process, an exception becoming that variant's error, its tensors freed after."""
+    try:
+        return measure(spec)
+    except Exception as error:
+        return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def run_all(specs: list[RunSpec], rounds: int) -> list[Result]:
@@ -351,10 +360,24 @@ def run_all(specs: list[RunSpec], rounds: int) -> list[Result]:
 
     Spreading each variant's timed steps over the whole run (instead of one burst) gives every variant the same
     share of whatever else the machine is doing, which keeps the ratios to the floor fair on a shared CPU.
+
+    On the CPU each measurement runs in a process of its own (peak RSS cannot be reset below what a process has
+    held). On CUDA, whose `max_memory_allocated` counts live tensors and resets, one spawned process measures them
+    all: a GPU machine spends more on starting a process and loading the model than on the steps measured.
     """
+    if resolve_device(specs[0].device).type == "cuda":
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(measure_all, specs, rounds, run_here).result()
+    return measure_all(specs, rounds, run_isolated)
+
+
+def measure_all(
+    specs: list[RunSpec], rounds: int, run: Callable[[Callable[[RunSpec], Result], RunSpec], Result]
+) -> list[Result]:
+    """`run_all`'s passes, each measurement through `run`."""
     results = []
     for spec in specs:
-        results.append(run_isolated(measure_memory, spec))
+        results.append(run(measure_memory, spec))
         _progress(results[-1], "memory")
     for round_index in range(rounds):
         pairs = list(zip(specs, results, strict=True))
@@ -362,7 +385,7 @@ def run_all(specs: list[RunSpec], rounds: int) -> list[Result]:
         for spec, result in pairs[shift:] + pairs[:shift]:
             if result.error:
                 continue
-            timing = run_isolated(measure_time, spec)
+            timing = run(measure_time, spec)
             if timing.error:
                 result.error = timing.error
             else:

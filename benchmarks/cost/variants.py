@@ -30,6 +30,7 @@ from peft_neuroada.cache import cache_root, save_model_folder_once
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
+from peft_neuroada.tuner.layer import NeuroAdaLayer
 from peft_neuroada.tuner.model import expert_projections
 from peft_neuroada.tuner.selection import select_inputs
 
@@ -224,6 +225,23 @@ def neuroada_triton(model: PreTrainedModel) -> Setup:
     return peft_model, trainable, f"neuroada k={BUDGET_K}, triton delta gradient"
 
 
+def dense_sampled_grad(x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None):
+    """The deltas' gradient as the dense weight gradient of the layer, gathered at the deltas' positions: one GEMM and
+    a gather, through a transient (d_out, d_in) float32 tensor per layer. A candidate for GPUs, where a GEMM is cheap
+    and torch's sparse kernel may not be; it goes into the tuner only if gpu.sh shows it 10% faster there."""
+    tuned = grad2d if rows is None else grad2d.index_select(1, rows)
+    return (tuned.float().T @ x2d.float()).gather(1, cols.long())
+
+
+def neuroada_dense_grad(model: PreTrainedModel) -> Setup:
+    """NeuroAda k=20 with `dense_sampled_grad` as its delta gradient."""
+    peft_model, trainable, _ = neuroada(BUDGET_K)(model)
+    for layer in peft_model.modules():
+        if isinstance(layer, NeuroAdaLayer):
+            layer.sampled_grad = dense_sampled_grad
+    return peft_model, trainable, f"neuroada k={BUDGET_K}, dense-then-gathered delta gradient"
+
+
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
     """NeuroAda k=20 with its deltas frozen: the adapted layers' own cost (forward and input gradient through
     W + P⊙Θ) without the delta gradient, so the step-time excess over the floor splits into its two parts."""
@@ -323,6 +341,7 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "neuroada-k20": neuroada(BUDGET_K),
     "neuroada-k20-frozen": neuroada_frozen,
     "neuroada-k20-triton": neuroada_triton,
+    "neuroada-k20-dense-grad": neuroada_dense_grad,
     "lora-budget": lora(None),
     "lora-r8": lora(8),
     "shira-budget": shira(),
