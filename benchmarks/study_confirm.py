@@ -148,18 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     paths = {dtype: (args.results_dir or FILES[dtype].parent) / FILES[dtype].name for dtype in FILES}
     studies = {dtype: ConfirmStudy(paths[dtype], settings[dtype], centres) for dtype in FILES}
     budgets = [(family, size) for family in args.families for size in BUDGETS[family]]
-    # A budget's rate comes from its sweep, run here unless recorded already.
-    rates = {budget: studies["float32"].learning_rate(*budget) for budget in budgets if "sweep" in args.parts}
     if "bf16" in args.parts:
         rate = studies["float32"].learning_rate("neuroada", 20)
         for family, size in BF16_ARMS:
             for seed in settings["bfloat16"].test_seeds:
                 studies["bfloat16"].run("test", family, size, rate, seed)
-    if "test" in args.parts:
-        for budget in budgets:
-            rate = rates.get(budget) or studies["float32"].learning_rate(*budget)
-            for seed in settings["float32"].test_seeds:
-                studies["float32"].run("test", *budget, rate, seed)
+    # Budget by budget, its sweep (unless recorded already) and then its test runs: a run stopped part-way leaves
+    # whole budgets to compare.
+    for budget in budgets if {"sweep", "test"} & set(args.parts) else []:
+        rate = studies["float32"].learning_rate(*budget)
+        for seed in settings["float32"].test_seeds if "test" in args.parts else []:
+            studies["float32"].run("test", *budget, rate, seed)
     minutes = math.ceil((time.perf_counter() - started) / 60)
     print(f"confirmatory runs done in {minutes} min; results in {', '.join(map(str, paths.values()))}")
 
