@@ -173,6 +173,18 @@ def test_the_committed_study_data_draws_the_documented_figures(tmp_path: Path) -
     assert {path.name for path in tmp_path.glob("*.png")} == {"accuracy.png", "cost.png"}
 
 
+def test_the_committed_bf16_question_draws_its_figures_and_reads_its_one_pair(tmp_path: Path) -> None:
+    """docs/study/confirm-bf16.json (its rate swept in float32 elsewhere): figures, no sweep table, the pair's
+    corrected reading, and a cost table in wall seconds per step for a study run on CUDA."""
+    results = BENCHMARKS.parent / "docs" / "study" / "confirm-bf16.json"
+    figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--results", str(results), "--prefix", "bf16-"]
+    drawn = subprocess.run([*figures, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert {path.name for path in tmp_path.glob("*.png")} == {"bf16-accuracy.png", "bf16-loss.png"}
+    assert "dev accuracy per learning rate" not in drawn.stdout
+    assert "| k=20 | mask 20 |" in drawn.stdout and "s per step (wall)" in drawn.stdout
+
+
 def test_a_study_stopped_before_its_test_runs_reports_its_sweeps_and_draws_nothing(tmp_path: Path) -> None:
     study = json.loads((BENCHMARKS.parent / "docs" / "study" / "results.json").read_text())
     swept = {**study, "runs": [run for run in study["runs"] if run["phase"] == "sweep"]}
