@@ -201,7 +201,7 @@ def test_the_confirmatory_runs_sweep_finer_on_two_seeds_and_test_fresh_questions
     rate on two new seeds, tested on new seeds and on questions no earlier reading saw, and asked again in bf16,
     each bf16 run in a fresh process that measures its own peak memory."""
     command = [sys.executable, "-W", "ignore", str(BENCHMARKS / "study_confirm.py"), "--dry-run", "--threads", "1"]
-    command += ["--results-dir", str(tmp_path), "--families", "neuroada", "mask"]
+    command += ["--results-dir", str(tmp_path), "--families", "neuroada", "mask", "--parts", "sweep", "bf16", "test"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     confirm, common = _benchmark_module("study_confirm"), _benchmark_module("common")
