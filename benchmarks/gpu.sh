@@ -6,6 +6,7 @@
 #   benchmarks/gpu.sh --dry-run OUT_DIR [STEP...]  # anywhere: the same runs on the tiny model on the CPU (the suite's)
 #
 # Steps, in this order by default, each with a time limit so that one that hangs cannot take the others' time:
+#   specs    the CUDA specs (tests/test_cuda.py, tests/test_triton_sampled_grad.py) on the GPU, into OUT_DIR/specs.txt
 #   smollm2  train_cost.py on SmolLM2-135M in bf16: step time and peak memory (max_memory_allocated) of the frozen
 #            floor, NeuroAda k=1 and k=20 (k=20 also with the opt-in Triton delta gradient and with the dense-then-
 #            gathered candidate: either earns a default only if at least 10% faster than the pure path), the paper
@@ -24,9 +25,9 @@
 set -euo pipefail
 dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
-out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR [smollm2|profile|random|bf16|scaleup ...]}
+out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR [specs|smollm2|profile|random|bf16|scaleup ...]}
 shift
-steps=("${@:-smollm2 profile random bf16}")
+steps=("${@:-specs smollm2 profile random bf16}")
 read -r -a steps <<< "${steps[*]}"
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -37,12 +38,12 @@ variants=(floor neuroada-k1 neuroada-k20 neuroada-k20-triton neuroada-k20-dense-
 if ((dry_run)); then
   device=cpu dtype=float32 options=(--steps 1 --warmup 1 --infer-steps 1 --gen-steps 0)
   declare -A model=([random]=tiny [smollm2]=tiny)
-  declare -A limit=([smollm2]=300 [profile]=300 [random]=300 [bf16]=300 [scaleup]=300)
+  declare -A limit=([specs]=300 [smollm2]=300 [profile]=300 [random]=300 [bf16]=300 [scaleup]=300)
   study=(--dry-run) bf16=(--dry-run) primitives=(--tokens 24 --d-in 16 --d-out 40 --k 1 5 --repeats 1)
 else
   device=cuda dtype=bfloat16 options=(--gen-steps 0)
   declare -A model=([random]=llama-1b-random [smollm2]=smollm2)
-  declare -A limit=([smollm2]=120 [profile]=60 [random]=180 [bf16]=100 [scaleup]=110)
+  declare -A limit=([specs]=60 [smollm2]=120 [profile]=60 [random]=150 [bf16]=60 [scaleup]=110)
   study=() bf16=(--bf16-device cuda) primitives=()
   nvidia-smi > "$out/gpu.txt" || true
 fi
@@ -51,6 +52,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" >> "$o
 for step in "${steps[@]}"; do
   echo "== $step" >> "$log"
   case $step in
+    specs)
+      (cd "$here/.." && timeout "${limit[$step]}" python -m pytest -n 0 -q -p no:cacheprovider tests/test_cuda.py \
+        tests/test_triton_sampled_grad.py > "$out/specs.txt" 2>&1) || echo "the CUDA specs failed: $out/specs.txt" ;;
     random | smollm2)
       name=${model[$step]}
       timeout "${limit[$step]}" python "$here/train_cost.py" --model "$name" --device "$device" --dtype "$dtype" \
@@ -73,6 +77,6 @@ for step in "${steps[@]}"; do
       timeout "${limit[$step]}" python "$here/study.py" --device cuda --results "$out/study-cuda.json" "${study[@]}" \
         --families neuroada lora --sizes 1 20 10 \
         >> "$log" 2>&1 || echo "the study's scale-up stopped (time limit or error): $log" ;;
-    *) echo "unknown step: $step (smollm2, profile, random, bf16 or scaleup)" >&2; exit 2 ;;
+    *) echo "unknown step: $step (specs, smollm2, profile, random, bf16 or scaleup)" >&2; exit 2 ;;
   esac
 done

@@ -226,12 +226,9 @@ def test_adapter_switch_benchmark_reports_every_method_and_neuroada_leaves_the_w
 def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) -> None:
     """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
     shared_datasets()  # the study's scale-up trains on commonsense_15k
-    completed = subprocess.run(
-        ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), "random", "profile", "bf16", "scaleup"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    steps = ["specs", "random", "profile", "bf16", "scaleup"]
+    command = ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), *steps]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
     assert "torch" in (tmp_path / "gpu.txt").read_text()
     results = json.loads((tmp_path / "train_cost-tiny.json").read_text())["results"]
@@ -239,6 +236,7 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     variants += ["paper-scatter-k20", "mask-k20", "lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
+    assert "skipped" in (tmp_path / "specs.txt").read_text()  # the CUDA specs, without a GPU
     profiled = (tmp_path / "profile.txt").read_text()
     assert "MergedCopyLinear" in profiled and "sampled_addmm" in profiled
     question = json.loads((tmp_path / "confirm-bf16.json").read_text())
