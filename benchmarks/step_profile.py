@@ -21,7 +21,9 @@ from train_cost import add_step_options
 
 
 def profile_step(spec: RunSpec, rows: int) -> str:
-    """The profiler's table of one training step after `spec.warmup` steps, sorted by self time."""
+    """The profiler's table of one training step after `spec.warmup` steps, sorted by self time, and how many ATen
+    operators the step called from Python or autograd (each a dispatch, and on a GPU a kernel launch or more: what
+    a host-bound step pays for)."""
     session = Session(spec)
     for _ in range(spec.warmup):
         session.step()
@@ -29,8 +31,14 @@ def profile_step(spec: RunSpec, rows: int) -> str:
     with profile(activities=activities) as profiler:
         session.step()
         session.sync()
+    calls = sum(
+        event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+        for event in profiler.events()
+    )
     sort_by = "self_cuda_time_total" if session.on_cuda else "self_cpu_time_total"
-    return profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    table = profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    return f"ATen operators called (not counting those called by others): {calls:,}\n{table}"
 
 
 def main() -> None:
