@@ -312,7 +312,7 @@ class Study:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, lambda temporary: Path(temporary).write_text(text + "\n"))
         print(
-            f"{phase:5} {family:11} size={size:<2} lr={learning_rate:.0e} seed={seed}: {run['accuracy']:6.1%} "
+            f"{phase:5} {family:11} size={size:<2} lr={learning_rate:.1e} seed={seed}: {run['accuracy']:6.1%} "
             f"({run['trainable']:,} trainable, {run['train_seconds']:.0f} s)",
             flush=True,
         )

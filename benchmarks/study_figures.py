@@ -218,7 +218,7 @@ def markdown(runs: list[dict], table: dict[str, list[Point]], read: list[Paired]
     for family, entries in table.items():
         for p in entries:
             rows.append(
-                f"| {family} | {p.size} | {p.trainable:,} | {p.learning_rate:.0e} | "
+                f"| {family} | {p.size} | {p.trainable:,} | {p.learning_rate:.1e} | "
                 f"{statistics.mean(p.scores):.1f} ± {p.spread:.1f} | {len(p.runs)} |"
             )
     rows += [
@@ -272,7 +272,7 @@ def loss_figure(table: dict[str, list[Point]], path: Path) -> None:
         for point in entries:
             curves = np.array([run["losses"] for run in point.runs])
             steps = np.arange(1, curves.shape[1] + 1)
-            axes.plot(steps, curves.mean(axis=0), label=f"{point.family} {point.size} (lr {point.learning_rate:.1g})")
+            axes.plot(steps, curves.mean(axis=0), label=f"{point.family} {point.size} (lr {point.learning_rate:.2g})")
             axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), alpha=0.2)
         axes.set_yscale("log")
         axes.set_xlabel("step")
