@@ -27,8 +27,8 @@ dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
 out=${1:?usage: benchmarks/gpu.sh [--dry-run] OUT_DIR [specs|smollm2|profile|random|bf16|scaleup ...]}
 shift
-steps=("${@:-specs smollm2 profile random bf16}")
-read -r -a steps <<< "${steps[*]}"
+steps=("$@")
+((${#steps[@]})) || steps=(specs smollm2 profile random bf16)
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 log="$out/gpu.log"

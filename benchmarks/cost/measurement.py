@@ -335,13 +335,18 @@ def measure_time(spec: RunSpec) -> Result:
     return result
 
 
+def failed(spec: RunSpec, error: Exception) -> Result:
+    """A variant's failure as its row of the table, not a traceback that hides the other rows."""
+    return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+
+
 def run_isolated(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
     """Run `measure(spec)` in a new (forked) process; a crash (or OOM kill) becomes that variant's error."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
         try:
             return pool.submit(measure, spec).result()
-        except Exception as error:  # any failure belongs in the table, not in a traceback that hides the rest
-            return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+        except Exception as error:
+            return failed(spec, error)
 
 
 def run_here(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
@@ -349,7 +354,7 @@ def run_here(measure: Callable[[RunSpec], Result], spec: RunSpec) -> Result:
     try:
         return measure(spec)
     except Exception as error:
-        return Result(spec.variant, spec.variant, error=f"{type(error).__name__}: {error}")
+        return failed(spec, error)
     finally:
         gc.collect()
         torch.cuda.empty_cache()
