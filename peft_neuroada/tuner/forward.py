@@ -61,10 +61,12 @@ def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str 
 
 
 def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up)."""
-    copy = weight.detach().clone()
+    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up), made without
+    gradients (in an autograd Function, or for inference). Not `scatter_add_`: on the CPU it accumulates a narrower
+    dtype in a float32 copy of the whole weight."""
+    copy = weight.clone()
     for placement, delta in zip(placements, deltas, strict=True):
-        copy.index_put_(entry_index(copy, placement), delta.detach().to(copy.dtype), accumulate=True)
+        copy.index_put_(entry_index(copy, placement), delta.to(copy.dtype), accumulate=True)
     return copy
 
 

@@ -20,8 +20,11 @@ def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> N
     if cols.device.type != "cpu" or torch.compiler.is_compiling():
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
+        if index is None or not index.numel():
+            continue
         # Python ints: an int16 index compared with a tensor op against 32768 would wrap to -32768.
-        if index is not None and index.numel() and (int(index.min()) < 0 or int(index.max()) >= limit):
+        low, high = torch.stack(index.aminmax()).tolist()
+        if low < 0 or high >= limit:
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 
 
@@ -42,8 +45,10 @@ def _sparse_kernels_cover(t: Tensor) -> bool:
 
 
 def token_major(t: Tensor) -> Tensor:
-    """`t` (T, features) with unit token stride: itself if laid out so, else a transposed copy."""
-    return t if t.stride(0) == 1 else t.T.contiguous().T
+    """`t` (T, features) with unit token stride: itself if laid out so, else a copy laid out so."""
+    if t.stride(0) == 1:
+        return t
+    return torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _float32(t: Tensor):
