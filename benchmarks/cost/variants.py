@@ -78,7 +78,7 @@ RANDOM_CONFIGS = {
     # SmolLM2-135M's architecture with seeded random weights: the real model's costs where its package is missing
     # (a GPU machine, say).
     "smollm2-random": llama_config(49152, 576, 1536, 30, 9, 3, 8192, tie_word_embeddings=True),
-    # ~0.55B parameters: the weights (2.2 GB) dominate the activations of a 1 x 256 batch.
+    # ~0.50B parameters: the weights (2.0 GB in float32) dominate the activations of a 1 x 256 batch.
     "large-random": llama_config(32000, 1536, 4096, 16, 12, 4, 1024),
     # Llama-3.2-1B's shape (1.24B parameters), for GPU figures.
     "llama-1b-random": llama_config(128256, 2048, 8192, 16, 32, 8, 2048, tie_word_embeddings=True),
