@@ -185,6 +185,31 @@ def test_the_committed_bf16_question_draws_its_figures_and_reads_its_one_pair(tm
     assert "| k=20 | mask 20 |" in drawn.stdout and "s per step (wall)" in drawn.stdout
 
 
+def test_the_committed_confirmatory_runs_are_whole_and_read_all_seven_pairs(tmp_path: Path) -> None:
+    """docs/study/confirm.json: every budget's chosen rate lies inside its swept grid and has its five test seeds on
+    the fresh questions; the figures draw and the reading covers the seven matched pairs."""
+    results = BENCHMARKS.parent / "docs" / "study" / "confirm.json"
+    runs = json.loads(results.read_text())["runs"]
+    budgets = {(run["family"], run["size"]) for run in runs}
+    for budget in budgets:
+        dev: dict[float, list[float]] = {}
+        for run in runs:
+            if run["phase"] == "sweep" and (run["family"], run["size"]) == budget:
+                dev.setdefault(run["learning_rate"], []).append(run["accuracy"])
+        best = max(dev, key=lambda rate: sum(dev[rate]) / len(dev[rate]))
+        assert min(dev) < best < max(dev), f"{budget}: the chosen rate {best} is on the edge of {sorted(dev)}"
+        tests = [run for run in runs if run["phase"] == "test" and (run["family"], run["size"]) == budget]
+        assert {run["learning_rate"] for run in tests} == {best}, budget
+        assert sorted(run["seed"] for run in tests) == [6, 7, 8, 9, 10], budget
+        assert {run["questions"] for run in tests} == {512}, budget
+    figures = [sys.executable, str(BENCHMARKS / "study_figures.py"), "--results", str(results), "--prefix", "c-"]
+    drawn = subprocess.run([*figures, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert {path.name for path in tmp_path.glob("*.png")} == {"c-accuracy.png", "c-loss.png"}
+    pairs = [line for line in drawn.stdout.splitlines() if line.startswith(("| k=5 |", "| k=20 |"))]
+    assert len(pairs) == 7, pairs
+
+
 def test_a_study_stopped_before_its_test_runs_reports_its_sweeps_and_draws_nothing(tmp_path: Path) -> None:
     study = json.loads((BENCHMARKS.parent / "docs" / "study" / "results.json").read_text())
     swept = {**study, "runs": [run for run in study["runs"] if run["phase"] == "sweep"]}
