@@ -190,14 +190,13 @@ def test_the_committed_confirmatory_runs_are_whole_and_read_all_seven_pairs(tmp_
     the fresh questions; the figures draw and the reading covers the seven matched pairs."""
     results = BENCHMARKS.parent / "docs" / "study" / "confirm.json"
     runs = json.loads(results.read_text())["runs"]
-    budgets = {(run["family"], run["size"]) for run in runs}
-    for budget in budgets:
-        dev: dict[float, list[float]] = {}
-        for run in runs:
-            if run["phase"] == "sweep" and (run["family"], run["size"]) == budget:
-                dev.setdefault(run["learning_rate"], []).append(run["accuracy"])
-        best = max(dev, key=lambda rate: sum(dev[rate]) / len(dev[rate]))
-        assert min(dev) < best < max(dev), f"{budget}: the chosen rate {best} is on the edge of {sorted(dev)}"
+    chosen = _benchmark_module("common").chosen_rates(runs)
+    assert chosen.keys() == {(run["family"], run["size"]) for run in runs}, "a budget tested without a sweep"
+    for budget, best in chosen.items():
+        swept = {
+            run["learning_rate"] for run in runs if run["phase"] == "sweep" and (run["family"], run["size"]) == budget
+        }
+        assert min(swept) < best < max(swept), f"{budget}: the chosen rate {best} is on the edge of {sorted(swept)}"
         tests = [run for run in runs if run["phase"] == "test" and (run["family"], run["size"]) == budget]
         assert {run["learning_rate"] for run in tests} == {best}, budget
         assert sorted(run["seed"] for run in tests) == [6, 7, 8, 9, 10], budget
