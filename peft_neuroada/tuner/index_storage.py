@@ -22,6 +22,13 @@ def index_dtype(size: int) -> torch.dtype:
     return PACKED_DTYPE if size <= _PACKED_MAX_COLUMNS else BUFFER_DTYPE
 
 
+def index_range(indices: torch.Tensor) -> tuple[int, int]:
+    """The smallest and largest of non-empty `indices`, as Python ints: torch compares an int16 tensor with 32768 in
+    int16, where it wraps to -32768."""
+    low, high = torch.stack(indices.aminmax()).tolist()
+    return low, high
+
+
 def to_buffer(cols: torch.Tensor, d_in: int) -> torch.Tensor:
     """(n, k) columns of a layer with `d_in` inputs as it stores them (int16 pairs, a zero padding an odd count)."""
     if index_dtype(d_in) != PACKED_DTYPE or not PACKS_PAIRS:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .index_storage import index_range
+
 COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (measured on the CPU)
 # Up to this many (token, delta) pairs the forward gathers the inputs it reads instead of building a sparse matrix.
 GATHER_MAX_ENTRIES = 1 << 16
@@ -22,8 +24,7 @@ def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> N
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
         if index is None or not index.numel():
             continue
-        # Python ints: an int16 index compared with a tensor op against 32768 would wrap to -32768.
-        low, high = torch.stack(index.aminmax()).tolist()
+        low, high = index_range(index)
         if low < 0 or high >= limit:
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 

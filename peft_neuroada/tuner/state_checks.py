@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .index_storage import BUFFER_DTYPE, PACKED_DTYPE, PACKS_PAIRS, from_buffer, index_dtype, to_buffer
+from .index_storage import BUFFER_DTYPE, PACKED_DTYPE, PACKS_PAIRS, from_buffer, index_dtype, index_range, to_buffer
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
 SAVED_TENSORS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
@@ -20,8 +20,7 @@ def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_
         return f"have dtype {indices.dtype}, not integer"
     if indices.is_meta or not indices.numel():
         return None
-    # Compared as Python ints: torch compares an int16 tensor with 32768 in int16, where it wraps to -32768.
-    low, high = int(indices.min()), int(indices.max())
+    low, high = index_range(indices)
     if low < 0 or high >= bound:
         what = "inputs" if attribute == "neuroada_indices" else "outputs"
         return f"range over [{low}, {high}] but the layer has only {bound} {what}"
