@@ -172,14 +172,17 @@ class WeightedLayer:
 
     def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
         """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
-        in at least float32, stored in the new adapter's own dtype (adapters this layer lacks add nothing)."""
+        in at least float32 and stored in the widest of the sources' dtypes: the new adapter is created in the base
+        weight's dtype, which peft's float32 upcast of `add_adapter` never reaches here (adapters this layer lacks add
+        nothing)."""
         sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
         deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
-        dtype = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas), torch.float32)
+        widest = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas))
+        dtype = torch.promote_types(widest, torch.float32)
         total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
         first = sources[0][0]
         self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
         if first in self.neuroada_rows:
             self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
         own = self.neuroada_delta[adapter_name]
-        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(own.dtype), requires_grad=own.requires_grad)
+        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(widest), requires_grad=own.requires_grad)

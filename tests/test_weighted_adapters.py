@@ -130,6 +130,15 @@ def test_sources_of_different_delta_dtypes_combine_in_the_widest_in_either_order
         torch.testing.assert_close(forward[name], expected)
 
 
+def test_on_a_bf16_base_the_float32_sources_combine_in_float32_not_in_the_base_dtype():
+    model = two_adapters(lambda: tiny_llama().to(torch.bfloat16))
+    model.add_weighted_adapter(["one", "two"], [0.3, -1.3], "mix")
+    for layer in neuroada_layers(model):
+        one, two = (layer.neuroada_delta[name].detach() for name in ("one", "two"))
+        assert one.dtype == two.dtype == layer.neuroada_delta["mix"].dtype == torch.float32
+        torch.testing.assert_close(layer.neuroada_delta["mix"].detach(), 0.3 * one - 1.3 * two, rtol=1e-6, atol=1e-7)
+
+
 def test_smollm2_adapters_on_a_layer_and_on_a_parameter_combine_in_either_order(smollm2):
     torch.manual_seed(0)
     attention = NeuroAdaConfig(k=1, init_weights=False, target_modules=["q_proj"], target_parameters=[])
