@@ -92,6 +92,24 @@ def test_delta_gradient_is_dense_weight_gradient_at_selected_positions(path, con
     assert layer.get_base_layer().weight.grad is None
 
 
+@pytest.mark.parametrize("k", [1, 5], ids=["k1-column-loop", "k5-sampled-matmul"])
+@pytest.mark.parametrize("tokens", [1, 40], ids=["decoding", "batch"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_float64_layer_computes_its_output_and_delta_gradient_in_float64(path, tokens, k):
+    layer = make_layer(k=k, dtype=torch.float64, path=path)
+    x = inputs(layer, tokens)
+    merged = (layer.weight_out_in().detach() + layer.get_delta_weight("default")).requires_grad_(True)
+    reference = torch.nn.functional.linear(x, merged, layer.get_base_layer().bias)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference.detach(), rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(reference)
+    layer(x).backward(grad_out)
+    reference.backward(grad_out)
+    delta = layer.neuroada_delta["default"]
+    assert delta.dtype == torch.float64
+    torch.testing.assert_close(delta.grad, merged.grad[positions(layer)], rtol=1e-12, atol=1e-12)
+
+
 def replace_weight(layer: Linear) -> None:
     base = layer.get_base_layer()
     base.weight = nn.Parameter(torch.randn_like(base.weight), requires_grad=False)

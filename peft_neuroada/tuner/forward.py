@@ -20,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 from . import products
 from .placement import Placement, entry_index, placed_entries, unique_columns
 
-# The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k) float32 (`products.sampled_grad`'s contract).
+# The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k), at least float32 (`products.sampled_grad`'s).
 SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
 BYPASS_MAX_TOKENS = 32
@@ -147,7 +147,7 @@ class SparseBypass(torch.autograd.Function):
 def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence) -> list[torch.Tensor]:
     """The deltas as a merge adds them into a weight narrower than float32 (`W + Θ` rounded to its dtype, less `W`),
     so that the bypass without gradients adds what the merged copy would, up to the matmul's own rounding."""
-    if weight.dtype == torch.float32:
+    if weight.dtype.itemsize >= torch.float32.itemsize:
         return list(deltas)
     rounded = []
     for placement, delta in zip(placements, deltas, strict=True):

@@ -1,7 +1,8 @@
 """The three sparse products of the bypass and the deltas' gradient, one torch kernel each: `sampled_grad` (the dense
 weight gradient at the placement, SDDMM), `bypass_forward` (`(P ⊙ Θ) x`, CSR times dense) and `bypass_input_grad` (its
 transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`) they run as k passes
-of gathers; `sampled_grad` does so for small k too, where that is faster (measured on the CPU).
+of gathers; `sampled_grad` does so for small k too, where that is faster (measured on the CPU). They compute in
+float32, or in float64 where an operand is float64.
 """
 
 from __future__ import annotations
@@ -52,55 +53,63 @@ def token_major(t: Tensor) -> Tensor:
     return torch.empty_strided(t.shape, (1, t.shape[0]), dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _float32(t: Tensor):
-    """Sparse kernels run in float32 (an autocast would hand them bfloat16, which CPU CSR kernels lack)."""
+def _accumulating(a: Tensor, b: Tensor) -> torch.dtype:
+    """float32, or float64 where an operand is: the products never accumulate in a dtype narrower than float32."""
+    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+
+
+def _no_autocast(t: Tensor):
+    """Sparse kernels run in the accumulating dtype (an autocast would hand them bfloat16, which CPU CSR kernels
+    lack)."""
     return torch.autocast(t.device.type, enabled=False)
 
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
     cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
-    tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).float()
+    dtype = _accumulating(x2d, grad2d)
+    tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
     n, k = cols.shape
     if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d):
-        out = torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
+        out = torch.zeros(n, k, dtype=dtype, device=x2d.device)
         for j in range(k):
-            out[:, j] = (x2d.index_select(1, cols[:, j]).float() * tuned).sum(0)
+            out[:, j] = (x2d.index_select(1, cols[:, j]).to(dtype) * tuned).sum(0)
         return out
-    pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, device=cols.device))
+    pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, dtype=dtype, device=cols.device))
     # Token-major operands: the kernel's own transposes of row-major ones cost it twice as much as these copies.
-    with _float32(x2d):
-        operands = token_major(tuned).T, token_major(x2d.float())
+    with _no_autocast(x2d):
+        operands = token_major(tuned).T, token_major(x2d.to(dtype))
         return torch.sparse.sampled_addmm(pattern, *operands, beta=0.0).values().view(n, k)
 
 
 def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
     cols, rows = _indices(cols, rows)
-    (n, k), tokens = cols.shape, x2d.shape[0]
+    (n, k), tokens, dtype = cols.shape, x2d.shape[0], _accumulating(x2d, delta)
     if tokens * n * k <= GATHER_MAX_ENTRIES:  # (decoding) one gather of the inputs read, which checks the indices
-        gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).float()
-        tuned = (gathered * delta.float()).sum(-1)
+        gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).to(dtype)
+        tuned = (gathered * delta.to(dtype)).sum(-1)
     elif _sparse_kernels_cover(x2d):
         _check_bounds(cols, rows, x2d.shape[1], d_out)
-        with _float32(x2d):
-            tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.float()), x2d.float().T).T
+        with _no_autocast(x2d):
+            tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.to(dtype)), x2d.to(dtype).T).T
     else:
-        tuned = torch.zeros(tokens, n, dtype=torch.float32, device=x2d.device)
+        tuned = torch.zeros(tokens, n, dtype=dtype, device=x2d.device)
         for j in range(k):
-            tuned += x2d.index_select(1, cols[:, j]).float() * delta[:, j].float()
+            tuned += x2d.index_select(1, cols[:, j]).to(dtype) * delta[:, j].to(dtype)
     if rows is None:
         return tuned
-    return torch.zeros(x2d.shape[0], d_out, device=x2d.device).index_add_(1, rows, tuned)
+    return torch.zeros(x2d.shape[0], d_out, dtype=dtype, device=x2d.device).index_add_(1, rows, tuned)
 
 
 def bypass_input_grad(grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int) -> Tensor:
     cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, d_in, grad2d.shape[1])
-    tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).float()
+    dtype = _accumulating(grad2d, delta)
+    tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
     if _sparse_kernels_cover(grad2d):
-        with _float32(grad2d):
-            return (_pattern(cols, d_in, delta.float()).t() @ tuned.T).T
-    grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=torch.float32, device=grad2d.device)
+        with _no_autocast(grad2d):
+            return (_pattern(cols, d_in, delta.to(dtype)).t() @ tuned.T).T
+    grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=dtype, device=grad2d.device)
     for j in range(cols.shape[1]):
-        grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].float())
+        grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].to(dtype))
     return grad_x
