@@ -159,6 +159,43 @@ def test_unmerged_output_equals_merged_output(dtype, path, neuron_fraction, devi
     torch.testing.assert_close(unmerged, merged, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+# Two adapters on the same entries of a narrow weight, each path against the merged layer, where each adapter is
+# rounded into the weight after the other. Decoding: weight 1 + one step, deltas half a step each, which tie and
+# round to even (merged 1 + 2 steps, where rounding each against the original weight gives 1 + 3), read by one-hot
+# inputs. A hook on the base layer: weights +-1.5 that cancel over an input of ones, deltas 0.45 of a step each, which
+# a merge rounds away (output 0, where adding them beside the matmul gives 7.2 steps).
+ROUNDING_CASES = {
+    "decoding": (False, False, 0.5),
+    "hooked-base": (True, False, 0.45),
+    "hooked-base-training": (True, True, 0.45),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ROUNDING_CASES, ids=ROUNDING_CASES.keys())
+def test_every_path_rounds_overlapping_deltas_into_a_narrow_weight_as_a_merge_does(dtype, case):
+    hooked, training, share = ROUNDING_CASES[case]
+    base = nn.Linear(8, 8, bias=False).to(dtype).requires_grad_(False)
+    step = torch.finfo(dtype).eps
+    with torch.no_grad():
+        base.weight.copy_(torch.tensor([1.5, -1.5]).repeat(8, 4) if hooked else torch.full((8, 8), 1 + step))
+    layer = Linear(base, "one", NeuroAdaConfig(k=8, delta_dtype="float32"))
+    layer.update_layer("two", NeuroAdaConfig(k=8, delta_dtype="float32"))
+    layer.set_adapter(["one", "two"])
+    for delta in layer.neuroada_delta.values():
+        nn.init.constant_(delta, share * step)
+    if hooked:
+        base.register_forward_hook(lambda module, args, out: out)
+    x = torch.ones(8, 8, dtype=dtype) if hooked else torch.eye(8, dtype=dtype)  # 8 tokens: the decoding bypass
+    with torch.set_grad_enabled(training):
+        unmerged = layer(x)
+    if training:  # the gradient passes through the rounding, as through the merged copy: the dense one, x summed
+        unmerged.sum().backward()
+        assert all(torch.equal(delta.grad, torch.full_like(delta, 8)) for delta in layer.neuroada_delta.values())
+    layer.merge()
+    assert torch.equal(unmerged, layer(x))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_training_step_leaves_frozen_weight_bit_identical(dtype, device):

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import products
-from .placement import Placement, entry_index, placed_entries, unique_columns
+from .placement import Placement, entry_index, unique_columns
 
 # The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k), at least float32 (`products.sampled_grad`'s).
 SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -39,15 +39,24 @@ _GLOBAL_HOOKS = (
 )
 
 
-def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
-    """Why `F.linear(x, W + Σ P ⊙ Θ, b)` cannot stand in for `base(x)` plus the bypass (None: it can). `weight` is the
-    base layer's weight as a (d_out, d_in) view."""
+def _weight_problem(base: nn.Module, weight: torch.Tensor) -> str | None:
+    """Why `weight` is not what the base layer computes with, as a frozen float (d_out, d_in) tensor (None: it is)."""
     if type(base) not in _LINEAR_MODULES:
         return f"the base layer is a {type(base).__name__}"
     if type(base.weight) not in _PLAIN_WEIGHT_TYPES or weight.layout != torch.strided or weight.is_meta:
         return "the weight is not a dense tensor in memory"
     if not weight.dtype.is_floating_point or weight.requires_grad:
         return "the weight is not a frozen floating-point tensor"
+    if weight.dim() != 2:  # e.g. DeepSpeed ZeRO-3's empty placeholder outside the base layer's call
+        return "the weight is not a (d_out, d_in) matrix"
+    return None
+
+
+def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why `F.linear(x, W + Σ P ⊙ Θ, b)` cannot stand in for `base(x)` plus the bypass (None: it can). `weight` is the
+    base layer's weight as a (d_out, d_in) view."""
+    if problem := _weight_problem(base, weight):
+        return problem
     if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
         return "the base layer has hooks"
     if "_hf_hook" in vars(base) or any(_GLOBAL_HOOKS):
@@ -144,15 +153,32 @@ class SparseBypass(torch.autograd.Function):
         return grad_x, None, None, None, grad_delta
 
 
+def _entry_slots(weight: torch.Tensor, indices: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list]:
+    """The distinct entries of `weight` the adapters' `entry_index`es address, read, and where each adapter's deltas
+    sit among them (one adapter: its own entries, in its order)."""
+    if len(indices) == 1:
+        return weight.detach()[indices[0]].reshape(-1), [slice(None)]
+    flat = [(rows * weight.shape[1] + cols).reshape(-1) for rows, cols in indices]
+    used, inverse = torch.unique(torch.cat(flat), return_inverse=True)
+    entries = weight.detach()[used.div(weight.shape[1], rounding_mode="floor"), used.remainder(weight.shape[1])]
+    return entries, list(inverse.split([f.numel() for f in flat]))
+
+
 def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence) -> list[torch.Tensor]:
-    """The deltas as a merge adds them into a weight narrower than float32 (`W + Θ` rounded to its dtype, less `W`),
-    so that the bypass without gradients adds what the merged copy would, up to the matmul's own rounding."""
+    """The deltas as the merged copy adds them, one adapter after another, into a weight narrower than float32: each
+    entry rounded to the weight's dtype after each adapter, less what it held before. So the bypass adds what the copy
+    would, up to the matmul's own rounding; gradients pass through the rounding, as they do through the copy."""
     if weight.dtype.itemsize >= torch.float32.itemsize:
         return list(deltas)
+    running, slots = _entry_slots(weight, [entry_index(weight, placement) for placement in placements])
     rounded = []
-    for placement, delta in zip(placements, deltas, strict=True):
-        entries = placed_entries(weight, placement)
-        rounded.append((entries + delta.detach().to(entries.dtype)).float() - entries.float())
+    for delta, slot in zip(deltas, slots, strict=True):
+        before = running[slot]
+        after = before + delta.detach().reshape(-1).to(before.dtype)
+        if len(slots) > 1:
+            running[slot] = after
+        step = (after.float() - before.float()).view_as(delta)
+        rounded.append(delta + (step - delta).detach() if torch.is_grad_enabled() and delta.requires_grad else step)
     return rounded
 
 
@@ -173,7 +199,7 @@ def adapted_linear(
         if torch.is_grad_enabled():
             return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), sampled_grad, *deltas)
         return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
-    if refusal == FEW_TOKENS:
+    if _weight_problem(base, weight) is None:  # the base layer computes with `weight`: round into it as the copy does
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
     for p, delta in zip(placements, deltas, strict=True):
