@@ -143,3 +143,14 @@ def test_conversions_of_every_tensor_that_cast_the_index_buffers_are_refused_say
     model = convert(get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False)))
     with pytest.raises(ValueError, match="neuroada_indices is a torch.float.* tensor.*conversion of every tensor"):
         model(token_batch)
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "torch-save"])
+@pytest.mark.parametrize("convert", DESTROYED.values(), ids=list(DESTROYED))
+def test_saving_cast_index_buffers_is_refused_before_the_folder_changes(convert, safe_serialization, tmp_path):
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    model.save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match="Refusing to save NeuroAda adapter 'default': .*indices.* is a torch.float"):
+        convert(model).save_pretrained(tmp_path, safe_serialization=safe_serialization)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before

@@ -1,14 +1,10 @@
-"""NeuroAda on a parameter instead of a module: the 3-D expert weights of today's MoE models (transformers 5 keeps
-each expert projection of Mixtral, Qwen3-MoE, GPT-OSS, Llama-4, ... as one (E, d_out, d_in) or (E, d_in, d_out)
-parameter, `WEIGHT_LAYOUTS` and `is_transposed` below tell which), reached through `target_parameters` as with peft's
-LoRA.
+"""NeuroAda on a parameter instead of a module, through `target_parameters` as with peft's LoRA: the 3-D expert
+weights of today's MoE models, (E, d_out, d_in) or (E, d_in, d_out) (`WEIGHT_LAYOUTS` and `is_transposed` tell which).
 
-Each expert's neurons get their own k deltas, selected on that expert's rows: the stack is E * d_out neurons over
-d_in inputs, neuron `e * d_out + i` being row i of expert e. The experts' own forward (an eager loop, grouped_mm,
-...) cannot be replaced, so it runs on `W + P ⊙ Θ`, made per forward through torch's parametrization, as LoRA's
-`ParamWrapper` makes `W + B A`: one transient copy of the parameter per forward, whose gradient the experts' matmuls
-form densely and `_AddedAtPlacements` samples at the placements. Merging writes the same entries into the parameter
-and unmerging writes back the originals, bit for bit.
+The stack is E * d_out neurons over d_in inputs (neuron `e * d_out + i` is row i of expert e), each with its own k
+deltas. The experts' own forward (an eager loop, grouped_mm, ...) cannot be replaced, so it runs on `W + P ⊙ Θ`, one
+transient copy per forward through torch's parametrization (as LoRA's `ParamWrapper` makes `W + B A`), whose dense
+gradient `_AddedAtPlacements` samples at the placements. Merge and unmerge write the entries, bit for bit.
 """
 
 from __future__ import annotations
@@ -49,10 +45,8 @@ WEIGHT_LAYOUTS: dict[str, str | None] = {
 
 
 def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = None) -> bool:
-    """Whether `param` of `module` is held (E, d_in, d_out) or (d_in, d_out), so that its neurons are columns: from
-    the module's own `is_transposed` flag (3-D stacks), else from WEIGHT_LAYOUTS (by class, its bases included). A
-    stack of either layout reads as a valid weight of the other (a square one always), so a module neither describes
-    is refused, not guessed."""
+    """Whether `param` of `module` is held (E,) d_in, d_out (its neurons are columns), by the module's own
+    `is_transposed` flag or WEIGHT_LAYOUTS; either layout reads as a valid weight of the other, so no guess."""
     if param.dim() == 3 and hasattr(module, "is_transposed"):
         return bool(module.is_transposed)
     key = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in WEIGHT_LAYOUTS), None)
@@ -75,9 +69,8 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
 
 
 class ParamWrapper(nn.Module, NeuroAdaLayer):
-    """NeuroAda on one parameter (`parameter_name`) of `base_layer`: a 3-D stack of expert weights, or a 2-D weight
-    (d_out, d_in). Named as peft's LoRA names its own: peft finds the wrapper of a parameter by this class name when a
-    further adapter targets it. Several parameters of one module nest one wrapper each, in peft's sorted order."""
+    """NeuroAda on one parameter (`parameter_name`) of `base_layer`, a 3-D expert stack or a 2-D weight. Named as
+    LoRA's: peft finds a parameter's wrapper by this class name. Several parameters of a module nest one each."""
 
     def __init__(
         self, base_layer: nn.Module, adapter_name: str, parameter_name: str, config: NeuroAdaConfig, **kwargs: Any
@@ -163,11 +156,9 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
 
     @contextmanager
     def _deltas_added(self, adapters: list[str]) -> Iterator[None]:
-        """For the duration of the block the module reads its parameter as `W + Σ P ⊙ Θ` (one copy, made on first
-        read: backward then samples its dense gradient, and frees it, right after the matmul that read it; a copy
-        made before the call, as `torch.func.functional_call` takes it, would leave it alive until the next stack's
-        is formed); the parameter itself is not written. Registering the parametrization changes the experts
-        module for the call, so, as peft's LoRA `ParamWrapper`, a wrapper serves one call at a time."""
+        """Within the block the module reads its parameter as `W + Σ P ⊙ Θ`, made on first read so that backward
+        frees it right after the matmul that read it; the parameter is not written. As peft's LoRA `ParamWrapper`,
+        a wrapper serves one call at a time (the parametrization changes the experts module for the call)."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
         base, name = self.get_base_layer(), self.parameter_name

@@ -56,10 +56,8 @@ def unreadable_weight(base: nn.Module) -> str | None:
 
 @contextmanager
 def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
-    """accelerate's hooks of `containers` run around the block as around a call: their tensors are in memory (on
-    the hooks' execution device) within it and offloaded again after it. Not peft's `onload_layer`, which also
-    onloads the base layer (its own hook does that at the call) and writes a disk-offloaded one back after the block:
-    right for a merge, a needless write on every forward."""
+    """accelerate's hooks of `containers` run around the block as around a call. Not peft's `onload_layer`, which
+    also onloads the base layer and writes a disk-offloaded one back: right for a merge, a needless write per call."""
     for container in containers:
         container._hf_hook.pre_forward(container)
     try:
@@ -148,9 +146,8 @@ class NeuroAdaLayer(BaseTunerLayer):
         return _get_in_out_features(self.get_base_layer())
 
     def offloaded_containers(self) -> list[nn.Module]:
-        """The adapter's containers accelerate hooked (`cpu_offload`, `disk_offload`, `dispatch_model` after the
-        adapter was added): its hooks bring a module's tensors in when the module is called, and these are only
-        read, so visits run the hooks themselves (`onloaded`)."""
+        """The adapter's containers accelerate hooked (offloading after the adapter was added): they are read, never
+        called, so visits run their hooks themselves (`onloaded`)."""
         containers = [getattr(self, name) for name in _CONTAINERS]
         return [container for container in containers if "_hf_hook" in vars(container)]
 

@@ -28,6 +28,7 @@ from .config import (
     default_targets,
 )
 from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
+from .index_storage import BUFFER_DTYPE
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
 from .selection import STRATEGIES
 from .state_checks import check_layer_state, check_saved_tensors
@@ -86,6 +87,21 @@ class NeuroAdaModel(BaseTuner):
                 stacklevel=2,
             )
         return remapped
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, refused before anything is written where index buffers were cast: they would load nowhere."""
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        for key, tensor in selected.items():
+            if (".neuroada_indices" in key or ".neuroada_rows" in key) and tensor.dtype != BUFFER_DTYPE:
+                raise ValueError(
+                    f"Refusing to save NeuroAda adapter '{adapter_name}': {key} is a {tensor.dtype} tensor, where "
+                    f"{BUFFER_DTYPE} indices belong (converted, e.g. by `model.type(...)`), and would load as other "
+                    "columns. Nothing was written: load the adapter again from its saved files."
+                )
+        return selected
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """Defaults: the paper's projections the model has, its experts' included."""
