@@ -55,8 +55,11 @@ def _weight_problem(base: nn.Module, weight: torch.Tensor) -> str | None:
 def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
     """Why `F.linear(x, W + Σ P ⊙ Θ, b)` cannot stand in for `base(x)` plus the bypass (None: it can). `weight` is the
     base layer's weight as a (d_out, d_in) view."""
-    if problem := _weight_problem(base, weight):
-        return problem
+    return _weight_problem(base, weight) or _call_refusal(base, weight, x)
+
+
+def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why the copy cannot stand in for this call of a base layer that computes with `weight` (None: it can)."""
     if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
         return "the base layer has hooks"
     if "_hf_hook" in vars(base) or any(_GLOBAL_HOOKS):
@@ -194,12 +197,13 @@ def adapted_linear(
 ) -> torch.Tensor:
     """`base(x, *args, **kwargs) + Σ (P ⊙ Θ) x`, on the merged copy where it can stand in, else on the bypass.
     `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient."""
-    refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
+    problem = _weight_problem(base, weight)
+    refusal = problem or ("extra arguments for the base layer" if args or kwargs else _call_refusal(base, weight, x))
     if refusal is None:
         if torch.is_grad_enabled():
             return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), sampled_grad, *deltas)
         return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
-    if _weight_problem(base, weight) is None:  # the base layer computes with `weight`: round into it as the copy does
+    if problem is None:  # the base layer computes with `weight`: round the deltas into it as the copy does
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
     for p, delta in zip(placements, deltas, strict=True):

@@ -26,7 +26,7 @@ from .forward import adapted_linear
 from .index_storage import BUFFER_DTYPE, from_buffer, to_buffer
 from .placement import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
-from .state_checks import check_layer_state, placement_problem
+from .state_checks import SAVED_TENSORS, check_layer_state, placement_problem
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
@@ -40,8 +40,6 @@ FULL_PRECISION_HINT = (
     "To get a merged model in full precision, load the base model in float32/bfloat16 and call "
     "`PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()`."
 )
-# The containers of an adapter's tensors: the layer reads them, it never calls them.
-_CONTAINERS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
 
 
 def unreadable_weight(base: nn.Module) -> str | None:
@@ -148,7 +146,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     def offloaded_containers(self) -> list[nn.Module]:
         """The adapter's containers accelerate hooked (offloading after the adapter was added): they are read, never
         called, so visits run their hooks themselves (`onloaded`)."""
-        containers = [getattr(self, name) for name in _CONTAINERS]
+        containers = [getattr(self, name) for name in SAVED_TENSORS]
         return [container for container in containers if "_hf_hook" in vars(container)]
 
     def weight_out_in(self) -> torch.Tensor:

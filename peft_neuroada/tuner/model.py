@@ -31,7 +31,7 @@ from .experts import MIXED_BATCH_REFUSAL, ParamWrapper
 from .index_storage import BUFFER_DTYPE
 from .layer import BASE_ADAPTER_NAME, Linear, NeuroAdaLayer
 from .selection import STRATEGIES
-from .state_checks import check_layer_state, check_saved_tensors
+from .state_checks import INDEX_TENSORS, check_layer_state, check_saved_tensors
 
 
 class MixedBatch(NamedTuple):
@@ -95,7 +95,7 @@ class NeuroAdaModel(BaseTuner):
         """peft's, refused before anything is written where index buffers were cast: they would load nowhere."""
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         for key, tensor in selected.items():
-            if (".neuroada_indices" in key or ".neuroada_rows" in key) and tensor.dtype != BUFFER_DTYPE:
+            if any(f".{name}" in key for name in INDEX_TENSORS) and tensor.dtype != BUFFER_DTYPE:
                 raise ValueError(
                     f"Refusing to save NeuroAda adapter '{adapter_name}': {key} is a {tensor.dtype} tensor, where "
                     f"{BUFFER_DTYPE} indices belong (converted, e.g. by `model.type(...)`), and would load as other "

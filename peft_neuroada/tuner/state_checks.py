@@ -9,7 +9,8 @@ import torch
 from .index_storage import BUFFER_DTYPE, PACKED_DTYPE, PACKS_PAIRS, from_buffer, index_dtype, index_range, to_buffer
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
-SAVED_TENSORS = ("neuroada_delta", "neuroada_indices", "neuroada_rows")
+INDEX_TENSORS = ("neuroada_indices", "neuroada_rows")
+SAVED_TENSORS = ("neuroada_delta", *INDEX_TENSORS)
 ANOTHER_BASE = "it was trained on another base model, or its file is damaged or was edited"
 
 
