@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
@@ -31,6 +32,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # too, so that the workers do not take each other's cores.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+
+
+# What the suite ran with, in its header (and so in every CI log): a fresh install resolves the newest releases, and an
+# older package left on a machine can hide a failure.
+REPORTED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "torchao", "lm-eval", "triton")
+
+
+def pytest_report_header() -> str:
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    return "packages: " + ", ".join(f"{name} {version(name)}" for name in REPORTED_PACKAGES)
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
