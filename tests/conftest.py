@@ -36,7 +36,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # What the suite ran with, in its header (and so in every CI log): a fresh install resolves the newest releases, and an
 # older package left on a machine can hide a failure.
-REPORTED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "torchao", "lm-eval", "triton")
+REPORTED_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "trl",
+    "bitsandbytes",
+    "torchao",
+    "lm-eval",
+    "triton",
+)
 
 
 def pytest_report_header() -> str:
