@@ -219,11 +219,10 @@ def test_inductor_compiled_backward_matches_eager():
     assert input_error < 1e-4 and delta_error < 1e-4
 
 
-def test_torch_func_transforms_need_no_grad_and_say_so_otherwise():
+def test_torch_func_vmap_of_a_layer_gives_its_batched_output_with_and_without_grad():
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False)).eval()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     x = torch.randn(3, 4, layer.in_features)
-    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
-        torch.func.vmap(layer)(x)
+    torch.testing.assert_close(torch.func.vmap(layer)(x), layer(x))
     with torch.no_grad():
         torch.testing.assert_close(torch.func.vmap(layer)(x), layer(x))

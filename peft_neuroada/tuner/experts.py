@@ -186,18 +186,27 @@ class _DeltasAdded(nn.Module):
         self.transposed, self.placements, self.deltas = transposed, placements, deltas
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return _AddedAtPlacements.apply(weight, self.transposed, self.placements, *self.deltas)
+        function = _TracedAddedAtPlacements if torch.compiler.is_compiling() else _AddedAtPlacements
+        return function.apply(weight, self.transposed, self.placements, *self.deltas)
 
 
-class _AddedAtPlacements(torch.autograd.Function):
+class _TracedAddedAtPlacements(torch.autograd.Function):
     """`W + Σ P ⊙ Θ` as a new tensor (forward.merged_copy, which writes no `.data` view, so torch.compile traces it);
-    backward keeps nothing and samples the incoming dense gradient at each placement."""
+    backward keeps nothing and samples the incoming dense gradient at each placement. What torch.compile traces
+    (dynamo cannot trace a custom jvp); eager calls take `_AddedAtPlacements`."""
+
+    generate_vmap_rule = True  # torch.func.vmap: every step below is vmappable
 
     @staticmethod
-    def forward(ctx, weight, transposed, placements, *deltas):
-        ctx.transposed, ctx.placements, ctx.delta_dtypes = transposed, placements, [delta.dtype for delta in deltas]
+    def forward(weight, transposed, placements, *deltas):
         copy = merged_copy(weight.transpose(-2, -1) if transposed else weight, placements, deltas)
         return copy.transpose(-2, -1) if transposed else copy
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.transposed, ctx.placements, *deltas = inputs
+        ctx.delta_dtypes = [delta.dtype for delta in deltas]
+        ctx.output_shape = output.shape
 
     @staticmethod
     def backward(ctx, grad):
@@ -208,3 +217,18 @@ class _AddedAtPlacements(torch.autograd.Function):
             for placement, dtype, need in zip(ctx.placements, ctx.delta_dtypes, needed, strict=True)
         ]
         return grad if ctx.needs_input_grad[0] else None, None, None, *grads
+
+
+class _AddedAtPlacements(_TracedAddedAtPlacements):
+    """`_TracedAddedAtPlacements` with forward-mode derivatives: the deltas' tangents placed as the deltas are."""
+
+    @staticmethod
+    def jvp(ctx, weight_t, _transposed, _placements, *delta_ts):
+        placed = [(p, t) for p, t in zip(ctx.placements, delta_ts, strict=True) if t is not None]
+        if weight_t is None:  # some delta carries a tangent (else torch would not ask)
+            weight_t = placed[0][1].new_zeros(ctx.output_shape)
+        oriented = weight_t.transpose(-2, -1) if ctx.transposed else weight_t
+        for placement, delta_t in placed:
+            index = entry_index(oriented, placement)
+            oriented = oriented.index_put(index, delta_t.to(oriented.dtype), accumulate=True)
+        return oriented.transpose(-2, -1) if ctx.transposed else oriented

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.nn.modules.module as module_hooks
 from torch import nn
+from torch.autograd import forward_ad
 from transformers.pytorch_utils import Conv1D
 
 from . import products
@@ -86,33 +87,49 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor, list[Placement]]:
-    """What backward keeps of the layer input for the deltas' gradients: the input, or only the columns the deltas
-    read when they are few (k=1 reads a small share of most layers' inputs), with the placements re-indexed into
-    them. Traced, the input (how many columns are read is data that a graph cannot branch on)."""
-    d_in = x.shape[-1]
-    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not torch.compiler.is_compiling():
+def input_for_backward(
+    x: torch.Tensor, placements: Sequence[Placement]
+) -> tuple[torch.Tensor | None, list[Placement]]:
+    """What backward keeps of the layer input for the deltas' gradients: only the columns the deltas read when they
+    are few (k=1 reads a small share of most layers' inputs), with the placements re-indexed into them, or None for
+    the whole input. Taken outside the autograd Functions, with a tracked `index_select`, so that gradients of higher
+    order see the deltas' gradient depend on the input. Traced or transformed (`torch.func`), the whole input (how many
+    columns are read is data that a graph cannot branch on)."""
+    d_in, traced = x.shape[-1], torch.compiler.is_compiling() or products.under_transform(x)
+    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not traced:
         used, local = unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
         if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
             local_cols = local.split([p.cols.numel() for p in placements])
             compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
             return _flatten(x).index_select(1, used.to(x.device)), compact
-    return x, list(placements)
+    return None, list(placements)
 
 
-class MergedCopyLinear(torch.autograd.Function):
-    """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas."""
+def _added(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
+    return term if total is None else total + term
+
+
+class TracedMergedCopyLinear(torch.autograd.Function):
+    """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas, of every order. `kept` is
+    `input_for_backward(x, placements)`'s (None: `x`): the output does not depend on it, the deltas' gradient is
+    computed from it.
+    What torch.compile traces (dynamo cannot trace a custom jvp); eager calls take `MergedCopyLinear`."""
+
+    generate_vmap_rule = True  # torch.func.vmap (per-sample gradients): every step below is vmappable
 
     @staticmethod
-    def forward(ctx, x, weight, bias, placements, sampled_grad, *deltas):
-        out = F.linear(x, merged_copy(weight, placements, deltas), bias)
-        needed = any(ctx.needs_input_grad[5:])
-        kept, ctx.kept_placements = input_for_backward(x, placements) if needed else (None, placements)
-        ctx.save_for_backward(kept, *deltas)
+    def forward(x, kept, kept_placements, weight, bias, placements, sampled_grad, *deltas):
+        return F.linear(x, merged_copy(weight, placements, deltas), bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, kept, ctx.kept_placements, weight, bias, ctx.placements, ctx.sampled_grad, *deltas = inputs
+        trains = any(ctx.needs_input_grad[7:])
+        ctx.save_for_backward(x if trains and kept is None else kept, *deltas)
+        ctx.save_for_forward(x, *deltas)  # torch drops these once the call is done: they cost no memory after it
         # The weight is a plain reference: an inference tensor (a model loaded under inference_mode) cannot be saved.
-        ctx.weight, ctx.placements, ctx.sampled_grad, ctx.input_dtype = weight, placements, sampled_grad, x.dtype
+        ctx.weight, ctx.input_dtype, ctx.out_features = weight, x.dtype, output.shape[-1]
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -121,26 +138,54 @@ class MergedCopyLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             copy = merged_copy(ctx.weight, ctx.placements, deltas)
             grad_x = (grad_out @ copy.to(grad_out.dtype)).to(ctx.input_dtype)
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[4]:
             grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
         grads = [
             ctx.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
-            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[5:], strict=True)
+            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[7:], strict=True)
         ]
-        return grad_x, None, grad_bias, None, None, *grads
+        return grad_x, None, None, None, grad_bias, None, None, *grads
 
 
-class SparseBypass(torch.autograd.Function):
-    """`(P ⊙ Θ) x` for one adapter; backward keeps the input (or the columns read) only when the delta trains."""
+class MergedCopyLinear(TracedMergedCopyLinear):
+    """`TracedMergedCopyLinear` with forward-mode derivatives (`torch.autograd.forward_ad`, `torch.func.jvp`)."""
 
     @staticmethod
-    def forward(ctx, x, placement: Placement, out_features: int, sampled_grad: SampledGrad, delta) -> torch.Tensor:
+    def jvp(ctx, x_t, _kept_t, _kept_placements, weight_t, bias_t, _placements, _sampled_grad, *delta_ts):
+        x, *deltas = ctx.saved_tensors
+        tangent = None
+        if x_t is not None:
+            tangent = F.linear(x_t, merged_copy(ctx.weight, ctx.placements, deltas))
+        if weight_t is not None:
+            tangent = _added(tangent, F.linear(x, weight_t))
+        if bias_t is not None:
+            tangent = _added(tangent, bias_t)
+        for p, delta_t in zip(ctx.placements, delta_ts, strict=True):
+            if delta_t is not None:
+                term = products.bypass_forward(_flatten(x), p.cols, p.rows, delta_t, ctx.out_features)
+                tangent = _added(tangent, term.view(*x.shape[:-1], ctx.out_features))
+        if tangent is None:
+            return torch.zeros(*x.shape[:-1], ctx.out_features, dtype=x.dtype, device=x.device)
+        return tangent.to(x.dtype)
+
+
+class TracedSparseBypass(torch.autograd.Function):
+    """`(P ⊙ Θ) x` for one adapter, with gradients of every order; backward keeps `kept` (`input_for_backward(x,
+    [placement])`) only when the delta trains. What torch.compile traces; eager calls take `SparseBypass`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, kept, kept_placement, placement: Placement, out_features: int, sampled_grad: SampledGrad, delta):
         out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
-        kept, kept_placements = input_for_backward(x, [placement]) if ctx.needs_input_grad[4] else (None, [None])
-        ctx.save_for_backward(kept, delta)
-        ctx.placement, ctx.kept_placement, ctx.input_shape = placement, kept_placements[0], x.shape
-        ctx.sampled_grad = sampled_grad
         return out.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, kept, ctx.kept_placement, ctx.placement, _, ctx.sampled_grad, delta = inputs
+        ctx.save_for_backward(x if ctx.needs_input_grad[6] and kept is None else kept, delta)
+        ctx.save_for_forward(x, delta)
+        ctx.input_shape, ctx.out_features = x.shape, output.shape[-1]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -150,10 +195,26 @@ class SparseBypass(torch.autograd.Function):
             d_in = ctx.input_shape[-1]
             grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in)
             grad_x = grad_x.to(grad_out.dtype).view(ctx.input_shape)
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[6]:
             cols, rows = ctx.kept_placement.cols, ctx.kept_placement.rows
             grad_delta = ctx.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
-        return grad_x, None, None, None, grad_delta
+        return grad_x, None, None, None, None, None, grad_delta
+
+
+class SparseBypass(TracedSparseBypass):
+    """`TracedSparseBypass` with forward-mode derivatives."""
+
+    @staticmethod
+    def jvp(ctx, x_t, _kept_t, _kept_placement, _placement, _out_features, _sampled_grad, delta_t):
+        x, delta = ctx.saved_tensors
+        p, tangent = ctx.placement, None
+        for inputs, values in ((x_t, delta), (x, delta_t)):
+            if inputs is not None and values is not None:
+                term = products.bypass_forward(_flatten(inputs), p.cols, p.rows, values, ctx.out_features)
+                tangent = _added(tangent, term)
+        if tangent is None:
+            return torch.zeros(*x.shape[:-1], ctx.out_features, dtype=x.dtype, device=x.device)
+        return tangent.view(*x.shape[:-1], ctx.out_features)
 
 
 def _entry_slots(weight: torch.Tensor, indices: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list]:
@@ -170,7 +231,7 @@ def _entry_slots(weight: torch.Tensor, indices: list[tuple[torch.Tensor, ...]]) 
 def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence) -> list[torch.Tensor]:
     """The deltas as the merged copy adds them, one adapter after another, into a weight narrower than float32: each
     entry rounded to the weight's dtype after each adapter, less what it held before. So the bypass adds what the copy
-    would, up to the matmul's own rounding; gradients pass through the rounding, as they do through the copy."""
+    would, up to the matmul's own rounding; gradients and tangents pass through the rounding, as through the copy."""
     if weight.dtype.itemsize >= torch.float32.itemsize:
         return list(deltas)
     running, slots = _entry_slots(weight, [entry_index(weight, placement) for placement in placements])
@@ -181,8 +242,15 @@ def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas
         if len(slots) > 1:
             running[slot] = after
         step = (after.float() - before.float()).view_as(delta)
-        rounded.append(delta + (step - delta).detach() if torch.is_grad_enabled() and delta.requires_grad else step)
+        rounded.append(step + (delta - delta.detach()) if _differentiated(delta) else step)
     return rounded
+
+
+def _differentiated(t: torch.Tensor) -> bool:
+    """Whether autodiff follows `t`: backward (it requires grad), forward-mode AD (it carries a tangent) or a
+    `torch.func` transform (it is wrapped)."""
+    backward = torch.is_grad_enabled() and t.requires_grad
+    return backward or forward_ad.unpack_dual(t).tangent is not None or products.under_transform(t)
 
 
 def adapted_linear(
@@ -199,17 +267,23 @@ def adapted_linear(
     `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient."""
     problem = _weight_problem(base, weight)
     refusal = problem or ("extra arguments for the base layer" if args or kwargs else _call_refusal(base, weight, x))
+    trains = torch.is_grad_enabled() and any(delta.requires_grad for delta in deltas)
     if refusal is None:
         if torch.is_grad_enabled():
-            return MergedCopyLinear.apply(x, weight, base.bias, tuple(placements), sampled_grad, *deltas)
+            kept, kept_placements = input_for_backward(x, placements) if trains else (None, placements)
+            args = (x, kept, kept_placements, weight, base.bias, tuple(placements), sampled_grad)
+            function = TracedMergedCopyLinear if torch.compiler.is_compiling() else MergedCopyLinear
+            return function.apply(*args, *deltas)
         return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
     if problem is None:  # the base layer computes with `weight`: round the deltas into it as the copy does
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
     for p, delta in zip(placements, deltas, strict=True):
         if torch.is_grad_enabled():
-            bypass = SparseBypass.apply(x, p, result.shape[-1], sampled_grad, delta)
+            kept, (kept_placement,) = input_for_backward(x, [p]) if delta.requires_grad else (None, [p])
+            args = (x, kept, kept_placement, p, result.shape[-1], sampled_grad, delta)
+            bypass = (TracedSparseBypass if torch.compiler.is_compiling() else SparseBypass).apply(*args)
         else:
-            bypass = products.bypass_forward(_flatten(x), p.cols, p.rows, delta.detach(), result.shape[-1])
+            bypass = products.bypass_forward(_flatten(x), p.cols, p.rows, delta, result.shape[-1])
         result = result + bypass.view(result.shape).to(result.dtype)
     return result

@@ -17,10 +17,11 @@ COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (mea
 GATHER_MAX_ENTRIES = 1 << 16
 
 
-def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> None:
+def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int, data: Tensor) -> None:
     """IndexError for out-of-range indices (the sparse kernels are built unchecked). Eager CPU only: on CUDA the check
-    would synchronize, under torch.compile break the graph (placements are checked when a layer is built)."""
-    if cols.device.type != "cpu" or torch.compiler.is_compiling():
+    would synchronize, under torch.compile break the graph, under a `torch.func` transform read wrapped values
+    (placements are checked when a layer is built)."""
+    if cols.device.type != "cpu" or torch.compiler.is_compiling() or under_transform(data):
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
         if index is None or not index.numel():
@@ -42,8 +43,15 @@ def _pattern(cols: Tensor, d_in: int, values: Tensor) -> Tensor:
     return torch.sparse_csr_tensor(offsets, flat, values.reshape(-1), size=(n, d_in), check_invariants=False)
 
 
+def under_transform(t: Tensor) -> bool:
+    """Whether `t` is wrapped by a `torch.func` transform (grad, vmap, jvp), under which no sparse tensor can be made
+    and no value read into Python."""
+    return torch.func.debug_unwrap(t) is not t
+
+
 def _sparse_kernels_cover(t: Tensor) -> bool:
-    return t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+    """Whether torch's sparse kernels take `t`: on the CPU and CUDA, eager, and not under a `torch.func` transform."""
+    return t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling() and not under_transform(t)
 
 
 def token_major(t: Tensor) -> Tensor:
@@ -66,15 +74,13 @@ def _no_autocast(t: Tensor):
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
     cols, rows = _indices(cols, rows)
-    _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
+    _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1], x2d)
     dtype = _accumulating(x2d, grad2d)
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
     n, k = cols.shape
     if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d):
-        out = torch.zeros(n, k, dtype=dtype, device=x2d.device)
-        for j in range(k):
-            out[:, j] = (x2d.index_select(1, cols[:, j]).to(dtype) * tuned).sum(0)
-        return out
+        columns = [(x2d.index_select(1, cols[:, j]).to(dtype) * tuned).sum(0) for j in range(k)]
+        return torch.stack(columns, dim=1)
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, dtype=dtype, device=cols.device))
     # Token-major operands: the kernel's own transposes of row-major ones cost it twice as much as these copies.
     with _no_autocast(x2d):
@@ -89,27 +95,25 @@ def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor
         gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).to(dtype)
         tuned = (gathered * delta.to(dtype)).sum(-1)
     elif _sparse_kernels_cover(x2d):
-        _check_bounds(cols, rows, x2d.shape[1], d_out)
+        _check_bounds(cols, rows, x2d.shape[1], d_out, x2d)
         with _no_autocast(x2d):
             tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.to(dtype)), x2d.to(dtype).T).T
     else:
-        tuned = torch.zeros(tokens, n, dtype=dtype, device=x2d.device)
-        for j in range(k):
-            tuned += x2d.index_select(1, cols[:, j]).to(dtype) * delta[:, j].to(dtype)
+        tuned = sum(x2d.index_select(1, cols[:, j]).to(dtype) * delta[:, j].to(dtype) for j in range(k))
     if rows is None:
         return tuned
-    return torch.zeros(x2d.shape[0], d_out, dtype=dtype, device=x2d.device).index_add_(1, rows, tuned)
+    return torch.zeros(x2d.shape[0], d_out, dtype=dtype, device=x2d.device).index_add(1, rows, tuned)
 
 
 def bypass_input_grad(grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int) -> Tensor:
     cols, rows = _indices(cols, rows)
-    _check_bounds(cols, rows, d_in, grad2d.shape[1])
+    _check_bounds(cols, rows, d_in, grad2d.shape[1], grad2d)
     dtype = _accumulating(grad2d, delta)
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
     if _sparse_kernels_cover(grad2d):
         with _no_autocast(grad2d):
             return (_pattern(cols, d_in, delta.to(dtype)).t() @ tuned.T).T
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=dtype, device=grad2d.device)
-    for j in range(cols.shape[1]):
-        grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].to(dtype))
+    for j in range(cols.shape[1]):  # out of place: under vmap the terms may be batched where the zeros are not
+        grad_x = grad_x.index_add(1, cols[:, j], tuned * delta[:, j].to(dtype))
     return grad_x
