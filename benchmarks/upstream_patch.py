@@ -2,8 +2,12 @@
 docs/upstream/neuroada.patch, built from the tuner as it is now (peft_neuroada/tuner/) and the PR's own new files
 (docs/upstream/pr/: the docs page, the example, the method_comparison experiments, tests/test_neuroada.py).
 
-    python benchmarks/upstream_patch.py           # (re)writes docs/upstream/neuroada.patch
-    python benchmarks/upstream_patch.py --check   # exit status 1 when the committed patch is stale
+    python benchmarks/upstream_patch.py           # (re)writes docs/upstream/neuroada.patch and its counts
+    python benchmarks/upstream_patch.py --check   # exit status 1 when the committed patch or its counts are stale
+
+The counts that describe the patch (added lines, files, the tuner's lines, size) and the tuner model's overrides are
+written from what the script builds into docs/upstream.md, between `<!-- counts:NAME -->` and `<!-- /counts:NAME -->`
+(NAME: patch, overrides); no page repeats them by hand.
 
 Beside the new files it changes peft where peft keeps what a tuner registers, as it holds SHiRA and Super-Tuning: the
 `PeftType` member, the exports of `peft.tuners` and `peft`, the default-target mapping in `peft/utils/constants.py`
@@ -18,12 +22,14 @@ import argparse
 import ast
 import difflib
 import importlib
+import inspect
 import json
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -34,6 +40,7 @@ sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(RE
 TUNER = REPO_ROOT / "peft_neuroada" / "tuner"
 PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
 PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
+UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
 MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
 TUNER_DIR = "src/peft/tuners/neuroada"
 # peft's ruff settings (its pyproject.toml), for what the build generates or moves.
@@ -512,6 +519,78 @@ def project_references(patch: str) -> list[str]:
 PROJECT_NAMES = r"peft_neuroada|\bplugin\b|README|docs/\w+\.md|tests/test_"
 
 
+# ----------------------------------------------------------------------------------------- the counts in the docs
+
+# Methods PeftModel calls on its tuner only where the tuner defines them (BaseTuner does not): LoRA's mixed batches.
+PEFT_TUNER_HOOKS = ("_enable_peft_forward_hooks",)
+# Tuners of peft's whose overrides upstream.md counts beside NeuroAda's (peft.tuners class name, the name it is given).
+PEER_TUNERS = {"SupertuningModel": "Super-Tuning", "ShiraModel": "SHiRA", "VeraModel": "VeRA"}
+
+
+def tuner_overrides(model_class: type) -> list[str]:
+    """The methods a tuner's model class defines that peft calls on a tuner: those BaseTuner defines too
+    (`_create_and_replace`, which BaseTuner requires, among them) and PEFT_TUNER_HOOKS; in the order defined."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    return [
+        name
+        for name, member in vars(model_class).items()
+        if (inspect.isfunction(member) or isinstance(member, classmethod | staticmethod))
+        and (hasattr(BaseTuner, name) or name in PEFT_TUNER_HOOKS)
+    ]
+
+
+def patch_counts(patch: str) -> dict[str, int]:
+    """Added lines (all, and those of the tuner's files), files, lines and bytes of a patch."""
+    counts, path, previous = {"added": 0, "tuner": 0}, "", ""
+    for line in patch.splitlines():
+        if line.startswith("+++ ") and previous.startswith("--- "):  # a file's header
+            path = line.removeprefix("+++ b/")
+        elif line.startswith("+"):
+            counts["added"] += 1
+            counts["tuner"] += int(path.startswith(f"{TUNER_DIR}/"))
+        previous = line
+    files = len(re.findall(r"(?m)^diff --git ", patch))
+    return counts | {"files": files, "lines": len(patch.splitlines()), "bytes": len(patch.encode())}
+
+
+def count_texts(patch: str) -> dict[str, str]:
+    """What each marked block of docs/upstream.md says, by block name."""
+    import peft.tuners
+
+    from peft_neuroada.tuner.model import NeuroAdaModel
+
+    counts = patch_counts(patch)
+    ours = tuner_overrides(NeuroAdaModel)
+    hooks = [name for name in ours if name in PEFT_TUNER_HOOKS]
+    peers = [f"{name} {len(tuner_overrides(getattr(peft.tuners, cls)))}" for cls, name in PEER_TUNERS.items()]
+    peers[0] = peers[0].replace(" ", " has ")  # "Super-Tuning has 2, SHiRA 3, VeRA 5"
+    return {
+        "patch": (
+            f"{counts['added']:,} added lines in {counts['files']} files, {counts['lines']:,} lines and "
+            f"{round(counts['bytes'] / 1000)} kB in all; the tuner (`{TUNER_DIR}/`, license headers included) is "
+            f"{counts['tuner']:,} of the added lines."
+        ),
+        "overrides": (
+            f"{len(ours)} methods of `NeuroAdaModel` that peft calls on a tuner: {len(ours) - len(hooks)} that "
+            "BaseTuner defines too (`_create_and_replace`, which BaseTuner requires, among them)"
+            + "".join(f" and `{name}`, which `PeftModel` calls where a tuner defines it" for name in hooks)
+            + f". Counted the same way, peft {version('peft')}'s {', '.join(peers)}."
+        ),
+    }
+
+
+def with_counts(doc: str, patch: str) -> str:
+    """`doc` (docs/upstream.md) with every marked block holding what count_texts says for `patch`."""
+    for name, text in count_texts(patch).items():
+        pattern = re.compile(rf"(<!-- counts:{name} -->\n).*?(<!-- /counts:{name} -->)", re.DOTALL)
+        if len(pattern.findall(doc)) != 1:
+            raise ValueError(f"{UPSTREAM_DOC.name} has no single block marked counts:{name}")
+        text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
+        doc = pattern.sub(lambda match, text=text: match[1] + text + "\n" + match[2], doc)
+    return doc
+
+
 def source_release(folder: Path) -> Path:
     """The installed peft's source release (its tests ship there, not in the wheel), downloaded once into `folder`."""
     peft_version = version("peft")
@@ -533,16 +612,26 @@ def default_release() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--check", action="store_true", help="Only compare with the committed patch.")
+    parser.add_argument("--check", action="store_true", help="Only compare with the committed patch and counts.")
     args = parser.parse_args(argv)
     patch = build_patch(default_release())
+    doc = UPSTREAM_DOC.read_text()
+    counted = with_counts(doc, patch)
     if args.check:
-        stale = not PATCH.exists() or PATCH.read_text() != patch
-        print(f"{PATCH.relative_to(REPO_ROOT)} is {'stale' if stale else 'up to date'}")
-        return int(stale)
+        stale = [
+            path
+            for path, ok in ((PATCH, PATCH.exists() and PATCH.read_text() == patch), (UPSTREAM_DOC, doc == counted))
+            if not ok
+        ]
+        for path in (PATCH, UPSTREAM_DOC):
+            print(f"{path.relative_to(REPO_ROOT)} is {'stale' if path in stale else 'up to date'}")
+        return int(bool(stale))
     PATCH.parent.mkdir(parents=True, exist_ok=True)
     PATCH.write_text(patch)
     print(f"wrote {PATCH.relative_to(REPO_ROOT)}: {len(patch.splitlines())} lines, {len(patch.encode())} bytes")
+    if counted != doc:
+        UPSTREAM_DOC.write_text(counted)
+        print(f"wrote the counts in {UPSTREAM_DOC.relative_to(REPO_ROOT)}")
     for reference in project_references(patch):
         print(f"names this project, which peft does not hold: {reference}")
     return 0

@@ -19,7 +19,7 @@ import torch
 from peft.tuners._buffer_dict import BufferDict
 
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
-from .tuner import experts, layer
+from .tuner import experts, layer, products
 from .tuner.index_storage import from_buffer
 from .tuner.model import MixedBatch
 from .tuner.placement import Placement
@@ -98,7 +98,8 @@ class PluginLayer(WeightedLayer):
                         "load_adapter) on the base model it was trained on."
                     )
                 kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows))
-            placements[adapter_name] = kept
+            if not products.transformed(kept[3].cols):  # a view made under a torch.func transform dies with it
+                placements[adapter_name] = kept
         return kept[3]
 
     def delete_adapter(self, adapter_name: str) -> None:

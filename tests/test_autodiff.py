@@ -1,8 +1,9 @@
 """Every derivative torch can ask of a NeuroAda model is the one of the same deltas in a dense differentiable form,
 `W + index_put(zeros, positions, Θ)`: gradients of the second order (gradient penalties, Hessian-vector products,
 second-order MAML), forward-mode AD (`torch.autograd.forward_ad`, `torch.func.jvp`) and the `torch.func` transforms
-(`grad`, `vmap` of `grad` for per-sample gradients, `hessian`), on the merged copy and on the bypass, with the input
-compacted to the columns the deltas read and without, at k=1 (the column loop) and k=5 (the sparse kernels)."""
+(`grad`, `vmap` of `grad` for per-sample gradients, `jacrev`, `hessian`), on the merged copy and on the bypass, with
+the input compacted to the columns the deltas read and without, at k=1 (the column loop) and k=5 (the sparse
+kernels)."""
 
 from __future__ import annotations
 
@@ -226,31 +227,53 @@ def loss(forward, model, params, x) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("path", PATHS)
-def test_torch_func_grad_and_per_sample_gradients_are_those_of_the_dense_reference(path, k):
-    model, x = adapted(path, k), inputs()
-    params = deltas(model)
-    results = []
+def test_torch_func_per_sample_gradients_and_grad_are_those_of_the_dense_reference(path, k):
+    """Per-sample gradients first: the model's first call runs under `vmap(grad)`."""
+    x, results = inputs(), []
     for forward in FORWARDS.values():
+        model = adapted(path, k)
+        params = deltas(model)
 
-        def sample_loss(p, row, forward=forward):
+        def sample_loss(p, row, forward=forward, model=model):
             return loss(forward, model, p, row[None])
 
-        grads = torch.func.grad(lambda p, forward=forward: loss(forward, model, p, x))(params)
-        results.append((grads, torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0))(params, x)))
-    (grads, per_sample), (dense_grads, dense_per_sample) = results
-    for name in params:
-        torch.testing.assert_close(grads[name], dense_grads[name], **EXACT)
+        per_sample = torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0))(params, x)
+        results.append(
+            (per_sample, torch.func.grad(lambda p, forward=forward, model=model: loss(forward, model, p, x))(params))
+        )
+    (per_sample, grads), (dense_per_sample, dense_grads) = results
+    for name in per_sample:
+        assert per_sample[name].shape == (len(x), *dense_grads[name].shape)
         torch.testing.assert_close(per_sample[name], dense_per_sample[name], **EXACT)
-        assert per_sample[name].shape == (len(x), *params[name].shape)
+        torch.testing.assert_close(grads[name], dense_grads[name], **EXACT)
+
+
+NESTED = {
+    "grad": torch.func.grad,
+    "jacrev-jacrev": lambda f: torch.func.jacrev(torch.func.jacrev(f)),
+    "hessian": torch.func.hessian,  # forward over reverse
+}
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_the_hessian_in_the_deltas_is_that_of_the_dense_reference(path):
-    """Reverse over reverse (`torch.autograd.functional.hessian`), the way to second derivatives of the deltas: nested
-    `torch.func` transforms of them (`jacrev(jacrev)`, `hessian`) stop inside torch's own machinery."""
+@pytest.mark.parametrize("transform", NESTED.values(), ids=NESTED.keys())
+def test_torch_func_transforms_of_one_layers_deltas_are_those_of_the_dense_reference(transform, path):
+    """The other layers' deltas and inputs are constants to the transform, so their autograd Functions run under it."""
     model, x = adapted(path, 5), inputs(2)
     params = deltas(model)
     (name,) = [name for name in params if ".c." in name]  # one layer's deltas: a 40 x 40 Hessian
+    results = [
+        transform(lambda d, forward=forward: loss(forward, model, {**params, name: d}, x))(params[name])
+        for forward in FORWARDS.values()
+    ]
+    torch.testing.assert_close(*results, **EXACT)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_hessian_in_the_deltas_by_reverse_over_reverse_is_that_of_the_dense_reference(path):
+    model, x = adapted(path, 5), inputs(2)
+    params = deltas(model)
+    (name,) = [name for name in params if ".c." in name]
     hessians = [
         torch.autograd.functional.hessian(
             lambda d, forward=forward: loss(forward, model, {**params, name: d}, x), params[name]
@@ -258,6 +281,25 @@ def test_the_hessian_in_the_deltas_is_that_of_the_dense_reference(path):
         for forward in FORWARDS.values()
     ]
     torch.testing.assert_close(*hessians, **EXACT)
+
+
+@pytest.mark.parametrize("tangent_of", ["input", "deltas"])
+def test_forward_mode_without_grad_past_the_gather_limit_is_that_of_the_dense_reference(tangent_of):
+    """Without gradients, many tokens on the bypass reach the sparse kernels' size (`GATHER_MAX_ENTRIES`), which have
+    no forward-mode derivative: the tangents take the gathers."""
+    model, x = adapted("bypass", 5), inputs(64)  # 64 tokens x 256 neurons x 5 of layer b: past 2**16 entries
+    params = deltas(model)
+    direction = (
+        tangents(params) if tangent_of == "deltas" else {name: torch.zeros_like(p) for name, p in params.items()}
+    )
+    x_direction = torch.randn_like(x) if tangent_of == "input" else torch.zeros_like(x)
+    results = []
+    for forward in FORWARDS.values():
+        with torch.no_grad(), fwAD.dual_level():
+            dual = {name: fwAD.make_dual(p, direction[name]) for name, p in params.items()}
+            results.append(fwAD.unpack_dual(forward(model, dual, fwAD.make_dual(x, x_direction))).tangent)
+    torch.testing.assert_close(*results, **EXACT)
+    assert results[0].abs().max() > 0
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -315,3 +357,14 @@ def test_moe_experts_forward_mode_and_second_order_agree_with_reverse_mode_and_f
         return sum((g * direction[name]).sum() for g, name in zip(grads_, leaves_, strict=True))
 
     torch.testing.assert_close(second, central_difference(directional, params, direction, eps=1e-3), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_first_call_under_a_transform_leaves_every_later_call_as_it_would_be(path):
+    """What a layer keeps between calls (its placements) is never made under a transform, whose tensors die with it."""
+    model, x = adapted(path, 5), inputs(2)
+    params = deltas(model)
+    torch.func.hessian(lambda p: loss(model_forward, model, p, x))(params)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), dense_forward(model, params, x), **EXACT)
+    torch.func.grad(lambda p: loss(model_forward, model, p, x))(params)

@@ -44,6 +44,7 @@ from transformers import (
 from tests.conftest import save_tiny_llama
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+UPSTREAM_DOC = BENCHMARKS.parent / "docs" / "upstream.md"
 RUN_FILES = ("tests/test_custom_models.py", "tests/test_config.py", "tests/test_neuroada.py")
 HUB_FILES = (
     "tests/test_decoder_models.py",
@@ -234,7 +235,7 @@ def test_peft_s_tests_pass_for_neuroada_in_peft_s_tree_with_the_plugin_absent(pe
 
 
 def test_every_custom_model_case_runs_peft_s_generic_tuner_tests(peft_run, upstream_patch):
-    for name in CUSTOM_MODEL_CASES:  # 43-44 generic tests each in peft 0.21.2, as its parametrization selects them
+    for name in CUSTOM_MODEL_CASES:  # those peft's parametrization selects (docs/upstream.md: how many)
         tests = {case.get("name").split("[")[0] for case in ran(peft_run["cases"], RUN_FILES[0], f"[{name}-")}
         assert len(tests) >= 40, name
     several = ["NeuroAda Same", "NeuroAda Different"]
@@ -271,6 +272,45 @@ def test_hub_model_tests_run_neuroada_cases_on_a_local_stand_in(peft_run, patche
     model_id = STAND_INS[file][0]
     assert model_id in models_tested(patched_tree / file)
     assert len(ran(peft_run["cases"], file, model_id)) >= 10
+
+
+def documented(pattern: str) -> int:
+    """The number docs/upstream.md gives where `pattern` (one group; the text's line breaks read as spaces) matches."""
+    found = re.findall(pattern, " ".join(UPSTREAM_DOC.read_text().split()))
+    assert len(found) == 1, f"docs/upstream.md no longer says {pattern!r}: change this spec with the sentence"
+    return int(found[0].replace(",", ""))
+
+
+# Where docs/upstream.md ("What the spec runs") gives how many cases of each Hub-model file ran on its stand-in.
+STAND_IN_COUNTS = {
+    "tests/test_decoder_models.py": r"the decoder file on Llama \((\d+) cases\)",
+    "tests/test_encoder_decoder_models.py": r"the encoder-decoder file on BART \((\d+);",
+    "tests/test_feature_extraction_models.py": r"feature extraction \((\d+)\)",
+    "tests/test_seq_classifier.py": r"sequence classification \((\d+)\) on BERT",
+}
+
+
+def test_upstream_md_gives_the_case_counts_of_this_run(peft_run):
+    """The counts of cases in docs/upstream.md are this run's (other pages link there instead of repeating them)."""
+    cases = peft_run["cases"]
+    generic = [of_file(cases, RUN_FILES[0], f"[{name}-") for name in CUSTOM_MODEL_CASES]
+    counted = {
+        "cases": len(cases),
+        "skipped": sum(case.find("skipped") is not None for case in cases),
+        "custom-model cases": len(of_file(cases, RUN_FILES[0])),
+        "generic tests per single-adapter case": {len({c.get("name").split("[")[0] for c in of}) for of in generic},
+        **{file: len(ran(cases, file, model_id)) for file, (model_id, _) in STAND_INS.items()},
+    }
+    said = {
+        "cases": documented(r"\(([\d,]+) cases, \d+ skipped by peft's own conditions"),
+        "skipped": documented(r"\([\d,]+ cases, (\d+) skipped by peft's own conditions"),
+        "custom-model cases": documented(r"`test_custom_models.py` \(([\d,]+): "),
+        "generic tests per single-adapter case": {
+            documented(r"single-adapter cases through (\d+) generic tests each")
+        },
+        **{file: documented(pattern) for file, pattern in STAND_IN_COUNTS.items()},
+    }
+    assert said == counted
 
 
 def test_the_example_fine_tunes_and_saves_an_adapter_with_peft_alone(patched_tree, smollm2_tokenizer, tmp_path):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from . import products
 from .config import NeuroAdaConfig
 from .forward import merged_copy
 from .layer import NeuroAdaLayer
@@ -178,57 +179,33 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
 
 
 class _DeltasAdded(nn.Module):
-    """The parametrization: the parameter with the deltas added at their placements (in its dtype, as a merge adds
-    them, so the unmerged and the merged model compute the same)."""
+    """The parametrization: the parameter with the deltas added at their placements, in its dtype as a merge adds them
+    (the unmerged and the merged model compute the same)."""
 
     def __init__(self, transposed: bool, placements: tuple[Placement, ...], deltas: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.transposed, self.placements, self.deltas = transposed, placements, deltas
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        function = _TracedAddedAtPlacements if torch.compiler.is_compiling() else _AddedAtPlacements
-        return function.apply(weight, self.transposed, self.placements, *self.deltas)
+        oriented = weight.transpose(-2, -1) if self.transposed else weight
+        if torch.is_grad_enabled() and not any(map(products.transformed, (weight, *self.deltas))):
+            copy = _AddedAtPlacements.apply(oriented, self.placements, *self.deltas)
+        else:  # plain torch operations: forward-mode AD differentiates them
+            copy = merged_copy(oriented, self.placements, self.deltas)
+        return copy.transpose(-2, -1) if self.transposed else copy
 
 
-class _TracedAddedAtPlacements(torch.autograd.Function):
-    """`W + Σ P ⊙ Θ` as a new tensor (forward.merged_copy, which writes no `.data` view, so torch.compile traces it);
-    backward keeps nothing and samples the incoming dense gradient at each placement. What torch.compile traces
-    (dynamo cannot trace a custom jvp); eager calls take `_AddedAtPlacements`."""
-
-    generate_vmap_rule = True  # torch.func.vmap: every step below is vmappable
-
-    @staticmethod
-    def forward(weight, transposed, placements, *deltas):
-        copy = merged_copy(weight.transpose(-2, -1) if transposed else weight, placements, deltas)
-        return copy.transpose(-2, -1) if transposed else copy
+class _AddedAtPlacements(torch.autograd.Function):
+    """`merged_copy` whose backward keeps nothing (autograd's would keep the index tensors): it samples the incoming
+    dense gradient at each placement."""
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.transposed, ctx.placements, *deltas = inputs
-        ctx.delta_dtypes = [delta.dtype for delta in deltas]
-        ctx.output_shape = output.shape
+    def forward(ctx, weight, placements, *deltas):
+        ctx.placements, ctx.delta_dtypes = placements, [delta.dtype for delta in deltas]
+        return merged_copy(weight, placements, deltas)
 
     @staticmethod
     def backward(ctx, grad):
-        oriented = grad.transpose(-2, -1) if ctx.transposed else grad
-        needed = ctx.needs_input_grad[3:]
-        grads = [
-            oriented[entry_index(oriented, placement)].to(dtype) if need else None
-            for placement, dtype, need in zip(ctx.placements, ctx.delta_dtypes, needed, strict=True)
-        ]
-        return grad if ctx.needs_input_grad[0] else None, None, None, *grads
-
-
-class _AddedAtPlacements(_TracedAddedAtPlacements):
-    """`_TracedAddedAtPlacements` with forward-mode derivatives: the deltas' tangents placed as the deltas are."""
-
-    @staticmethod
-    def jvp(ctx, weight_t, _transposed, _placements, *delta_ts):
-        placed = [(p, t) for p, t in zip(ctx.placements, delta_ts, strict=True) if t is not None]
-        if weight_t is None:  # some delta carries a tangent (else torch would not ask)
-            weight_t = placed[0][1].new_zeros(ctx.output_shape)
-        oriented = weight_t.transpose(-2, -1) if ctx.transposed else weight_t
-        for placement, delta_t in placed:
-            index = entry_index(oriented, placement)
-            oriented = oriented.index_put(index, delta_t.to(oriented.dtype), accumulate=True)
-        return oriented.transpose(-2, -1) if ctx.transposed else oriented
+        needed = zip(ctx.placements, ctx.delta_dtypes, ctx.needs_input_grad[2:], strict=True)
+        grads = [grad[entry_index(grad, placement)].to(dtype) if need else None for placement, dtype, need in needed]
+        return grad if ctx.needs_input_grad[0] else None, None, *grads

@@ -5,6 +5,8 @@
   layer's own matmul, the deltas' gradient the dense weight gradient sampled at their positions, never formed.
 * **bypass** (`SparseBypass`): the base layer's own output plus `(P ⊙ Θ) x`, for what a copy cannot stand in for
   (`copy_refusal`) and for few tokens without gradients (decoding), where copying the weight costs more than it saves.
+
+Without gradients, under forward-mode AD or a `torch.func` transform: plain torch operations torch differentiates.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 import torch.nn.functional as F
 import torch.nn.modules.module as module_hooks
 from torch import nn
-from torch.autograd import forward_ad
 from transformers.pytorch_utils import Conv1D
 
 from . import products
@@ -74,11 +75,11 @@ def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str
 
 
 def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up), made without
-    gradients (in an autograd Function, or for inference). Not `scatter_add_`: on the CPU it accumulates a narrower
-    dtype in a float32 copy of the whole weight."""
-    copy = weight.clone()
-    for placement, delta in zip(placements, deltas, strict=True):
+    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up). Not `scatter_add_`:
+    on the CPU it accumulates a narrower dtype in a float32 copy of the whole weight."""
+    # The first out of place: under vmap the deltas may be batched where the weight is not.
+    copy = weight.index_put(entry_index(weight, placements[0]), deltas[0].to(weight.dtype), accumulate=True)
+    for placement, delta in zip(placements[1:], deltas[1:], strict=True):
         copy.index_put_(entry_index(copy, placement), delta.to(copy.dtype), accumulate=True)
     return copy
 
@@ -87,16 +88,13 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def input_for_backward(
-    x: torch.Tensor, placements: Sequence[Placement]
-) -> tuple[torch.Tensor | None, list[Placement]]:
-    """What backward keeps of the layer input for the deltas' gradients: only the columns the deltas read when they
-    are few (k=1 reads a small share of most layers' inputs), with the placements re-indexed into them, or None for
-    the whole input. Taken outside the autograd Functions, with a tracked `index_select`, so that gradients of higher
-    order see the deltas' gradient depend on the input. Traced or transformed (`torch.func`), the whole input (how many
-    columns are read is data that a graph cannot branch on)."""
-    d_in, traced = x.shape[-1], torch.compiler.is_compiling() or products.under_transform(x)
-    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not traced:
+def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor | None, list]:
+    """What backward keeps of the input for the deltas' gradients: the columns the deltas read when they are few (k=1
+    reads a small share of most layers' inputs), with the placements re-indexed into them, or None for the whole input.
+    A tracked `index_select` outside the Functions: higher orders see the deltas' gradient depend on the input.
+    Traced, the whole input (how many columns are read is data that a graph cannot branch on)."""
+    d_in = x.shape[-1]
+    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not torch.compiler.is_compiling():
         used, local = unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
         if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
             local_cols = local.split([p.cols.numel() for p in placements])
@@ -105,17 +103,12 @@ def input_for_backward(
     return None, list(placements)
 
 
-def _added(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
-    return term if total is None else total + term
-
-
-class TracedMergedCopyLinear(torch.autograd.Function):
+class MergedCopyLinear(torch.autograd.Function):
     """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas, of every order. `kept` is
     `input_for_backward(x, placements)`'s (None: `x`): the output does not depend on it, the deltas' gradient is
-    computed from it.
-    What torch.compile traces (dynamo cannot trace a custom jvp); eager calls take `MergedCopyLinear`."""
+    computed from it. Runs under `torch.func` transforms that do not follow its tensors (which take the plain path)."""
 
-    generate_vmap_rule = True  # torch.func.vmap (per-sample gradients): every step below is vmappable
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, kept, kept_placements, weight, bias, placements, sampled_grad, *deltas):
@@ -123,13 +116,10 @@ class TracedMergedCopyLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, kept, ctx.kept_placements, weight, bias, ctx.placements, ctx.sampled_grad, *deltas = inputs
-        trains = any(ctx.needs_input_grad[7:])
-        ctx.save_for_backward(x if trains and kept is None else kept, *deltas)
-        ctx.save_for_forward(x, *deltas)  # torch drops these once the call is done: they cost no memory after it
         # The weight is a plain reference: an inference tensor (a model loaded under inference_mode) cannot be saved.
-        ctx.weight, ctx.input_dtype, ctx.out_features = weight, x.dtype, output.shape[-1]
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        x, kept, ctx.kept_placements, ctx.weight, bias, ctx.placements, ctx.sampled_grad, *deltas = inputs
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[7:]) and kept is None else kept, *deltas)
+        ctx.input_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -147,36 +137,13 @@ class TracedMergedCopyLinear(torch.autograd.Function):
         return grad_x, None, None, None, grad_bias, None, None, *grads
 
 
-class MergedCopyLinear(TracedMergedCopyLinear):
-    """`TracedMergedCopyLinear` with forward-mode derivatives (`torch.autograd.forward_ad`, `torch.func.jvp`)."""
-
-    @staticmethod
-    def jvp(ctx, x_t, _kept_t, _kept_placements, weight_t, bias_t, _placements, _sampled_grad, *delta_ts):
-        x, *deltas = ctx.saved_tensors
-        tangent = None
-        if x_t is not None:
-            tangent = F.linear(x_t, merged_copy(ctx.weight, ctx.placements, deltas))
-        if weight_t is not None:
-            tangent = _added(tangent, F.linear(x, weight_t))
-        if bias_t is not None:
-            tangent = _added(tangent, bias_t)
-        for p, delta_t in zip(ctx.placements, delta_ts, strict=True):
-            if delta_t is not None:
-                term = products.bypass_forward(_flatten(x), p.cols, p.rows, delta_t, ctx.out_features)
-                tangent = _added(tangent, term.view(*x.shape[:-1], ctx.out_features))
-        if tangent is None:
-            return torch.zeros(*x.shape[:-1], ctx.out_features, dtype=x.dtype, device=x.device)
-        return tangent.to(x.dtype)
-
-
-class TracedSparseBypass(torch.autograd.Function):
-    """`(P ⊙ Θ) x` for one adapter, with gradients of every order; backward keeps `kept` (`input_for_backward(x,
-    [placement])`) only when the delta trains. What torch.compile traces; eager calls take `SparseBypass`."""
+class SparseBypass(torch.autograd.Function):
+    """`(P ⊙ Θ) x` for one adapter, gradients of every order; backward keeps `kept` (as above) if the delta trains."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, kept, kept_placement, placement: Placement, out_features: int, sampled_grad: SampledGrad, delta):
+    def forward(x, kept, kept_placement, placement: Placement, out_features: int, sampled_grad, delta):
         out = products.bypass_forward(_flatten(x), placement.cols, placement.rows, delta, out_features)
         return out.view(*x.shape[:-1], out_features)
 
@@ -184,8 +151,7 @@ class TracedSparseBypass(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, kept, ctx.kept_placement, ctx.placement, _, ctx.sampled_grad, delta = inputs
         ctx.save_for_backward(x if ctx.needs_input_grad[6] and kept is None else kept, delta)
-        ctx.save_for_forward(x, delta)
-        ctx.input_shape, ctx.out_features = x.shape, output.shape[-1]
+        ctx.input_shape = x.shape
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -201,25 +167,8 @@ class TracedSparseBypass(torch.autograd.Function):
         return grad_x, None, None, None, None, None, grad_delta
 
 
-class SparseBypass(TracedSparseBypass):
-    """`TracedSparseBypass` with forward-mode derivatives."""
-
-    @staticmethod
-    def jvp(ctx, x_t, _kept_t, _kept_placement, _placement, _out_features, _sampled_grad, delta_t):
-        x, delta = ctx.saved_tensors
-        p, tangent = ctx.placement, None
-        for inputs, values in ((x_t, delta), (x, delta_t)):
-            if inputs is not None and values is not None:
-                term = products.bypass_forward(_flatten(inputs), p.cols, p.rows, values, ctx.out_features)
-                tangent = _added(tangent, term)
-        if tangent is None:
-            return torch.zeros(*x.shape[:-1], ctx.out_features, dtype=x.dtype, device=x.device)
-        return tangent.view(*x.shape[:-1], ctx.out_features)
-
-
 def _entry_slots(weight: torch.Tensor, indices: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, list]:
-    """The distinct entries of `weight` the adapters' `entry_index`es address, read, and where each adapter's deltas
-    sit among them (one adapter: its own entries, in its order)."""
+    """The distinct entries of `weight` the adapters' `entry_index`es address, and where each adapter's lie in them."""
     if len(indices) == 1:
         return weight.detach()[indices[0]].reshape(-1), [slice(None)]
     flat = [(rows * weight.shape[1] + cols).reshape(-1) for rows, cols in indices]
@@ -242,15 +191,9 @@ def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas
         if len(slots) > 1:
             running[slot] = after
         step = (after.float() - before.float()).view_as(delta)
-        rounded.append(step + (delta - delta.detach()) if _differentiated(delta) else step)
+        differentiated = (torch.is_grad_enabled() and delta.requires_grad) or products.transformed(delta)
+        rounded.append(step + (delta - delta.detach()) if differentiated else step)
     return rounded
-
-
-def _differentiated(t: torch.Tensor) -> bool:
-    """Whether autodiff follows `t`: backward (it requires grad), forward-mode AD (it carries a tangent) or a
-    `torch.func` transform (it is wrapped)."""
-    backward = torch.is_grad_enabled() and t.requires_grad
-    return backward or forward_ad.unpack_dual(t).tangent is not None or products.under_transform(t)
 
 
 def adapted_linear(
@@ -267,22 +210,23 @@ def adapted_linear(
     `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient."""
     problem = _weight_problem(base, weight)
     refusal = problem or ("extra arguments for the base layer" if args or kwargs else _call_refusal(base, weight, x))
-    trains = torch.is_grad_enabled() and any(delta.requires_grad for delta in deltas)
+    # Plain torch operations without gradients, under forward-mode AD or a torch.func transform (module docstring).
+    tensors = (x, weight, *deltas) if base.bias is None else (x, weight, base.bias, *deltas)
+    functions = torch.is_grad_enabled() and not any(map(products.transformed, tensors))
     if refusal is None:
-        if torch.is_grad_enabled():
+        if functions:
+            trains = any(delta.requires_grad for delta in deltas)
             kept, kept_placements = input_for_backward(x, placements) if trains else (None, placements)
             args = (x, kept, kept_placements, weight, base.bias, tuple(placements), sampled_grad)
-            function = TracedMergedCopyLinear if torch.compiler.is_compiling() else MergedCopyLinear
-            return function.apply(*args, *deltas)
+            return MergedCopyLinear.apply(*args, *deltas)
         return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
     if problem is None:  # the base layer computes with `weight`: round the deltas into it as the copy does
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
     for p, delta in zip(placements, deltas, strict=True):
-        if torch.is_grad_enabled():
+        if functions:
             kept, (kept_placement,) = input_for_backward(x, [p]) if delta.requires_grad else (None, [p])
-            args = (x, kept, kept_placement, p, result.shape[-1], sampled_grad, delta)
-            bypass = (TracedSparseBypass if torch.compiler.is_compiling() else SparseBypass).apply(*args)
+            bypass = SparseBypass.apply(x, kept, kept_placement, p, result.shape[-1], sampled_grad, delta)
         else:
             bypass = products.bypass_forward(_flatten(x), p.cols, p.rows, delta, result.shape[-1])
         result = result + bypass.view(result.shape).to(result.dtype)

@@ -10,10 +10,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
-from peft.tuners.tuners_utils import (
-    BaseTuner,
-    BaseTunerLayer,
-)
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import get_quantization_kwargs, resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
 from peft.utils.quantization_utils import ForwardOnlyQuantizationBackend

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
-class Placement:
+class Placement(NamedTuple):
     """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
-    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None)."""
+    `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). A named tuple: `torch.func` transforms
+    find its tensors among an autograd Function's arguments."""
 
-    __slots__ = ("cols", "rows")
-
-    def __init__(self, cols: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-        self.cols, self.rows = cols, rows
+    cols: torch.Tensor
+    rows: torch.Tensor | None = None
 
     def copy(self, device: torch.device | None = None) -> Placement:
         """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""

@@ -1,7 +1,7 @@
 """The three sparse products of the bypass and the deltas' gradient, one torch kernel each: `sampled_grad` (the dense
 weight gradient at the placement, SDDMM), `bypass_forward` (`(P ⊙ Θ) x`, CSR times dense) and `bypass_input_grad` (its
-transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`) they run as k passes
-of gathers; `sampled_grad` does so for small k too, where that is faster (measured on the CPU). They compute in
+transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`, `transformed` operands)
+they run as k passes of gathers, as `sampled_grad` does for small k (faster, measured on the CPU). They compute in
 float32, or in float64 where an operand is float64.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .index_storage import index_range
 
@@ -17,11 +18,10 @@ COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (mea
 GATHER_MAX_ENTRIES = 1 << 16
 
 
-def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int, data: Tensor) -> None:
+def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> None:
     """IndexError for out-of-range indices (the sparse kernels are built unchecked). Eager CPU only: on CUDA the check
-    would synchronize, under torch.compile break the graph, under a `torch.func` transform read wrapped values
-    (placements are checked when a layer is built)."""
-    if cols.device.type != "cpu" or torch.compiler.is_compiling() or under_transform(data):
+    would synchronize, under torch.compile break the graph (placements are checked when a layer is built)."""
+    if cols.device.type != "cpu" or torch.compiler.is_compiling():
         return
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
         if index is None or not index.numel():
@@ -43,15 +43,18 @@ def _pattern(cols: Tensor, d_in: int, values: Tensor) -> Tensor:
     return torch.sparse_csr_tensor(offsets, flat, values.reshape(-1), size=(n, d_in), check_invariants=False)
 
 
-def under_transform(t: Tensor) -> bool:
-    """Whether `t` is wrapped by a `torch.func` transform (grad, vmap, jvp), under which no sparse tensor can be made
-    and no value read into Python."""
-    return torch.func.debug_unwrap(t) is not t
+def transformed(t: Tensor) -> bool:
+    """Whether a `torch.func` transform wraps `t` or forward-mode AD follows it (sparse kernels serve neither); traced,
+    False: dynamo handles transforms itself."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch.func.debug_unwrap(t) is not t or forward_ad.unpack_dual(t).tangent is not None
 
 
-def _sparse_kernels_cover(t: Tensor) -> bool:
-    """Whether torch's sparse kernels take `t`: on the CPU and CUDA, eager, and not under a `torch.func` transform."""
-    return t.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling() and not under_transform(t)
+def _sparse_kernels_cover(*operands: Tensor) -> bool:
+    """Whether torch's sparse kernels take the operands: on the CPU and CUDA, eager, and none `transformed`."""
+    eager = operands[0].device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+    return eager and not any(map(transformed, operands))
 
 
 def token_major(t: Tensor) -> Tensor:
@@ -67,18 +70,17 @@ def _accumulating(a: Tensor, b: Tensor) -> torch.dtype:
 
 
 def _no_autocast(t: Tensor):
-    """Sparse kernels run in the accumulating dtype (an autocast would hand them bfloat16, which CPU CSR kernels
-    lack)."""
+    """Sparse kernels run in the accumulating dtype (autocast would hand them bfloat16, which CPU CSR kernels lack)."""
     return torch.autocast(t.device.type, enabled=False)
 
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
     cols, rows = _indices(cols, rows)
-    _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1], x2d)
+    _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     dtype = _accumulating(x2d, grad2d)
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
     n, k = cols.shape
-    if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d):
+    if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d, grad2d):
         columns = [(x2d.index_select(1, cols[:, j]).to(dtype) * tuned).sum(0) for j in range(k)]
         return torch.stack(columns, dim=1)
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, dtype=dtype, device=cols.device))
@@ -94,8 +96,8 @@ def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor
     if tokens * n * k <= GATHER_MAX_ENTRIES:  # (decoding) one gather of the inputs read, which checks the indices
         gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).to(dtype)
         tuned = (gathered * delta.to(dtype)).sum(-1)
-    elif _sparse_kernels_cover(x2d):
-        _check_bounds(cols, rows, x2d.shape[1], d_out, x2d)
+    elif _sparse_kernels_cover(x2d, delta):
+        _check_bounds(cols, rows, x2d.shape[1], d_out)
         with _no_autocast(x2d):
             tuned = torch.sparse.mm(_pattern(cols, x2d.shape[1], delta.to(dtype)), x2d.to(dtype).T).T
     else:
@@ -107,13 +109,13 @@ def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor
 
 def bypass_input_grad(grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int) -> Tensor:
     cols, rows = _indices(cols, rows)
-    _check_bounds(cols, rows, d_in, grad2d.shape[1], grad2d)
+    _check_bounds(cols, rows, d_in, grad2d.shape[1])
     dtype = _accumulating(grad2d, delta)
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
-    if _sparse_kernels_cover(grad2d):
+    if _sparse_kernels_cover(grad2d, delta):
         with _no_autocast(grad2d):
             return (_pattern(cols, d_in, delta.to(dtype)).t() @ tuned.T).T
     grad_x = torch.zeros(grad2d.shape[0], d_in, dtype=dtype, device=grad2d.device)
-    for j in range(cols.shape[1]):  # out of place: under vmap the terms may be batched where the zeros are not
-        grad_x = grad_x.index_add(1, cols[:, j], tuned * delta[:, j].to(dtype))
+    for j in range(cols.shape[1]):
+        grad_x.index_add_(1, cols[:, j], tuned * delta[:, j].to(dtype))
     return grad_x

@@ -1,0 +1,62 @@
+"""Counts that describe code are written by the script that builds the patch, or checked by a spec, so that no page
+states a stale one: docs/upstream.md's marked blocks (the patch's lines and files, the tuner model's overrides) are
+what benchmarks/upstream_patch.py writes for the committed patch, and no other page repeats those counts. (Whether the
+committed patch is today's, and the counts of peft's test cases, are tests/test_peft_upstream_suite.py's.)"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from peft_neuroada.tuner.model import NeuroAdaModel
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM_DOC = ROOT / "docs" / "upstream.md"
+# What a page would say if it repeated a count of upstream.md's blocks or of its peft test run.
+REPEATED_COUNTS = r"\b\d[\d,]* added lines|\b\d+ (?:BaseTuner )?overrides|\b\d[\d,]* NeuroAda cases"
+
+
+@pytest.fixture(scope="module")
+def upstream_patch():
+    """benchmarks/upstream_patch.py, the script that builds the patch and writes its counts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("upstream_patch")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch):
+    doc = UPSTREAM_DOC.read_text()
+    assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text()) == doc, (
+        "stale: run `python benchmarks/upstream_patch.py`"
+    )
+
+
+def test_the_override_table_gives_a_reason_for_every_override(upstream_patch):
+    after_block = UPSTREAM_DOC.read_text().split("<!-- /counts:overrides -->", 1)[1]
+    table = after_block.strip().split("\n\n", 1)[0]
+    named = re.findall(r"(?m)^\| `(\w+)` \|", table)
+    assert sorted(named) == sorted(upstream_patch.tuner_overrides(NeuroAdaModel))
+
+
+def test_the_alternative_is_under_a_quarter_of_the_patch(upstream_patch):
+    """upstream.md: the alternative pull request "is under a quarter of the size" of this one."""
+    doc = " ".join(UPSTREAM_DOC.read_text().split())
+    assert "under a quarter of the size" in doc
+    alternative = int(re.search(r"for every Super-Tuning adapter \| about (\d+) ", doc)[1])
+    assert 4 * alternative < upstream_patch.patch_counts(upstream_patch.PATCH.read_text())["added"]
+
+
+def test_no_other_page_repeats_the_counts():
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    repeated = {
+        page.relative_to(ROOT).as_posix(): re.findall(REPEATED_COUNTS, " ".join(page.read_text().split()))
+        for page in pages
+        if page != UPSTREAM_DOC
+    }
+    assert not {page: found for page, found in repeated.items() if found}, "link to docs/upstream.md instead"
