@@ -75,8 +75,8 @@ class PluginLayer(WeightedLayer):
         # The containers' own dicts: ParameterDict/BufferDict lookups cost 1-1.5 us each, at every visit.
         shape = self.neuroada_delta._parameters[adapter_name].shape
         buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
-        if torch.compiler.is_compiling():  # dynamo would guard on what is kept
-            return Placement(from_buffer(buffer, shape), rows)
+        if torch.compiler.is_compiling() or products.transformed(buffer):  # dynamo would guard on what is kept; a
+            return Placement(from_buffer(buffer, shape), rows)  # buffer vmapped (stack_module_state) has no storage
         if buffer.is_inference() or (rows is not None and rows.is_inference()):
             buffer = _versioned(self.neuroada_indices, adapter_name)
             rows = _versioned(self.neuroada_rows, adapter_name)

@@ -368,3 +368,41 @@ def test_a_first_call_under_a_transform_leaves_every_later_call_as_it_would_be(p
     with torch.no_grad():
         torch.testing.assert_close(model(x), dense_forward(model, params, x), **EXACT)
     torch.func.grad(lambda p: loss(model_forward, model, p, x))(params)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_compiled_torch_func_grad_gives_every_parameters_gradient_as_eager(path):
+    """Under torch.compile around a transform the Functions are told no input needs a gradient: they give all, and
+    the compiled graph keeps those asked for (the deltas, the frozen weights and biases when differentiated too)."""
+    model, x = adapted(path, 5), inputs(3)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def full_loss(p):
+        return loss(model_forward, model, p, x)
+
+    compiled = torch.compile(lambda p: torch.func.grad(full_loss)(p), backend="aot_eager")(params)
+    at = leaves(params)
+    expected = dict(zip(at, torch.autograd.grad(full_loss(at), list(at.values())), strict=True))
+    for name, grad in expected.items():
+        torch.testing.assert_close(compiled[name], grad, **EXACT, msg=name)
+
+
+def test_vmap_over_stacked_models_and_over_one_of_two_adapters_gives_each_members_output():
+    """Ensembles (`torch.func.stack_module_state`, index buffers batched too) and a second active adapter's deltas
+    batched alone."""
+    members = [adapted("copy", 5) for _ in range(2)]
+    with torch.no_grad():
+        members[1].base_model.model.c.neuroada_delta["default"].mul_(-2)
+    params, buffers = torch.func.stack_module_state(members)
+    x = inputs(2)
+    stacked = torch.func.vmap(lambda p, b: functional_call(members[0], (p, b), (x,)))(params, buffers)
+    torch.testing.assert_close(stacked, torch.stack([m(x) for m in members]), **EXACT)
+
+    model = adapted("copy", 5)
+    model.add_adapter("other", NeuroAdaConfig(k=3, target_modules=["a", "b", "c"], init_weights=False))
+    model.base_model.set_adapter(["default", "other"])
+    other = {n: p.detach() for n, p in model.named_parameters() if ".other" in n}
+    batch = {n: torch.stack([p, -p]) for n, p in other.items()}
+    outputs = torch.func.vmap(lambda p: functional_call(model, p, (x,)))(batch)
+    expected = [functional_call(model, {n: sign * p for n, p in other.items()}, (x,)) for sign in (1, -1)]
+    torch.testing.assert_close(outputs, torch.stack(expected), **EXACT)

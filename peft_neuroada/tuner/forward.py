@@ -77,10 +77,11 @@ def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str
 def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
     """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up). Not `scatter_add_`:
     on the CPU it accumulates a narrower dtype in a float32 copy of the whole weight."""
-    # The first out of place: under vmap the deltas may be batched where the weight is not.
-    copy = weight.index_put(entry_index(weight, placements[0]), deltas[0].to(weight.dtype), accumulate=True)
-    for placement, delta in zip(placements[1:], deltas[1:], strict=True):
-        copy.index_put_(entry_index(copy, placement), delta.to(copy.dtype), accumulate=True)
+    copy = weight
+    for placement, delta in zip(placements, deltas, strict=True):  # out of place where vmap may batch the delta only
+        index, values = entry_index(copy, placement), delta.to(copy.dtype)
+        new = copy is weight or products.transformed(delta)
+        copy = copy.index_put(index, values, True) if new else copy.index_put_(index, values, accumulate=True)
     return copy
 
 
@@ -103,6 +104,12 @@ def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tupl
     return None, list(placements)
 
 
+def _needs_grad(ctx) -> list[bool]:
+    """Which inputs backward differentiates: every one when traced, where torch.compile around a `torch.func`
+    transform reports False for inputs whose gradient is asked (the compiled graph drops the gradients unused)."""
+    return [needed or torch.compiler.is_compiling() for needed in ctx.needs_input_grad]
+
+
 class MergedCopyLinear(torch.autograd.Function):
     """`F.linear(x, W + Σ P ⊙ Θ, b)` with gradients for the input, the bias and the deltas, of every order. `kept` is
     `input_for_backward(x, placements)`'s (None: `x`): the output does not depend on it, the deltas' gradient is
@@ -118,23 +125,25 @@ class MergedCopyLinear(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         # The weight is a plain reference: an inference tensor (a model loaded under inference_mode) cannot be saved.
         x, kept, ctx.kept_placements, ctx.weight, bias, ctx.placements, ctx.sampled_grad, *deltas = inputs
-        ctx.save_for_backward(x if any(ctx.needs_input_grad[7:]) and kept is None else kept, *deltas)
+        ctx.save_for_backward(x if any(_needs_grad(ctx)[7:]) and kept is None else kept, *deltas)
         ctx.input_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
 
     @staticmethod
     def backward(ctx, grad_out):
-        kept, *deltas = ctx.saved_tensors
-        grad2d, grad_x, grad_bias = _flatten(grad_out), None, None
-        if ctx.needs_input_grad[0]:
+        (kept, *deltas), needs = ctx.saved_tensors, _needs_grad(ctx)
+        grad2d, grad_x, grad_weight, grad_bias = _flatten(grad_out), None, None, None
+        if needs[0]:
             copy = merged_copy(ctx.weight, ctx.placements, deltas)
             grad_x = (grad_out @ copy.to(grad_out.dtype)).to(ctx.input_dtype)
-        if ctx.needs_input_grad[4]:
+        if needs[3] and kept is not None:  # traced only: the copy path is taken for a frozen weight
+            grad_weight = (grad2d.T @ _flatten(kept).to(grad2d.dtype)).to(ctx.weight.dtype)
+        if needs[4]:
             grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
         grads = [
             ctx.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
-            for p, delta, needed in zip(ctx.kept_placements, deltas, ctx.needs_input_grad[7:], strict=True)
+            for p, delta, needed in zip(ctx.kept_placements, deltas, needs[7:], strict=True)
         ]
-        return grad_x, None, None, None, grad_bias, None, None, *grads
+        return grad_x, None, None, grad_weight, grad_bias, None, None, *grads
 
 
 class SparseBypass(torch.autograd.Function):
@@ -150,18 +159,18 @@ class SparseBypass(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, kept, ctx.kept_placement, ctx.placement, _, ctx.sampled_grad, delta = inputs
-        ctx.save_for_backward(x if ctx.needs_input_grad[6] and kept is None else kept, delta)
+        ctx.save_for_backward(x if _needs_grad(ctx)[6] and kept is None else kept, delta)
         ctx.input_shape = x.shape
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        kept, delta = ctx.saved_tensors
+        (kept, delta), needs = ctx.saved_tensors, _needs_grad(ctx)
         grad2d, placement, grad_x, grad_delta = _flatten(grad_out), ctx.placement, None, None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             d_in = ctx.input_shape[-1]
             grad_x = products.bypass_input_grad(grad2d, placement.cols, placement.rows, delta, d_in)
             grad_x = grad_x.to(grad_out.dtype).view(ctx.input_shape)
-        if ctx.needs_input_grad[6]:
+        if needs[6]:
             cols, rows = ctx.kept_placement.cols, ctx.kept_placement.rows
             grad_delta = ctx.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
         return grad_x, None, None, None, None, None, grad_delta
@@ -189,7 +198,7 @@ def rounded_deltas(weight: torch.Tensor, placements: Sequence[Placement], deltas
         before = running[slot]
         after = before + delta.detach().reshape(-1).to(before.dtype)
         if len(slots) > 1:
-            running[slot] = after
+            running = running.index_put((slot,), after)
         step = (after.float() - before.float()).view_as(delta)
         differentiated = (torch.is_grad_enabled() and delta.requires_grad) or products.transformed(delta)
         rounded.append(step + (delta - delta.detach()) if differentiated else step)
