@@ -78,10 +78,12 @@ def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: S
     """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up). Not `scatter_add_`:
     on the CPU it accumulates a narrower dtype in a float32 copy of the whole weight."""
     copy = weight
-    for placement, delta in zip(placements, deltas, strict=True):  # out of place where vmap may batch the delta only
+    for placement, delta in zip(placements, deltas, strict=True):
         index, values = entry_index(copy, placement), delta.to(copy.dtype)
-        new = copy is weight or products.transformed(delta)
-        copy = copy.index_put(index, values, True) if new else copy.index_put_(index, values, accumulate=True)
+        if copy is weight or products.transformed(delta):  # out of place: vmap may batch the delta and not the copy
+            copy = copy.index_put(index, values, accumulate=True)
+        else:
+            copy.index_put_(index, values, accumulate=True)
     return copy
 
 
