@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,17 @@ def pytest_report_header() -> str:
             return "absent"
 
     return "packages: " + ", ".join(f"{name} {version(name)}" for name in REPORTED_PACKAGES)
+
+
+@pytest.fixture(scope="session")
+def upstream_patch():
+    """benchmarks/upstream_patch.py, the script that builds the peft patch and writes its counts in the docs."""
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        return importlib.import_module("upstream_patch")
+    finally:
+        sys.path.remove(benchmarks)
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:

@@ -5,12 +5,8 @@ committed patch is today's, and the counts of peft's test cases, are tests/test_
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
-
-import pytest
 
 from peft_neuroada.tuner.model import NeuroAdaModel
 
@@ -18,16 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_DOC = ROOT / "docs" / "upstream.md"
 # What a page would say if it repeated a count of upstream.md's blocks or of its peft test run.
 REPEATED_COUNTS = r"\b\d[\d,]* added lines|\b\d+ (?:BaseTuner )?overrides|\b\d[\d,]* NeuroAda cases"
-
-
-@pytest.fixture(scope="module")
-def upstream_patch():
-    """benchmarks/upstream_patch.py, the script that builds the patch and writes its counts."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("upstream_patch")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch):

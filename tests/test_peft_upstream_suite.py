@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -98,16 +97,6 @@ STAND_INS: dict[str, tuple[str, Callable[[], PreTrainedModel]]] = {
 }
 CUSTOM_MODEL_CASES = [f"Vanilla MLP {i} NeuroAda" for i in range(1, 6)]
 CUSTOM_MODEL_CASES += ["Vanilla MLP 6 NeuroAda half the neurons", "Embedding + transformers Conv1D 1 NeuroAda"]
-
-
-@pytest.fixture(scope="module")
-def upstream_patch():
-    """benchmarks/upstream_patch.py, the script that builds the patch."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module("upstream_patch")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
