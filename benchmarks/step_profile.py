@@ -11,19 +11,19 @@ products inside them); compare a variant's table with the floor's to see what it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import common  # noqa: F401  (this checkout's peft_neuroada first)
 import torch
 from cost.measurement import MODEL_DEFAULTS, RunSpec, Session
 from cost.variants import VARIANTS
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.profiler import ProfilerActivity, profile
 from train_cost import add_step_options
 
 
-def profile_step(spec: RunSpec, rows: int) -> str:
-    """The profiler's table of one training step after `spec.warmup` steps, sorted by self time, and how many ATen
-    operators the step called from Python or autograd (each a dispatch, and on a GPU a kernel launch or more: what
-    a host-bound step pays for)."""
+def profiled_step(spec: RunSpec) -> tuple[Session, profile]:
+    """One training step after `spec.warmup` steps, under the profiler."""
     session = Session(spec)
     for _ in range(spec.warmup):
         session.step()
@@ -31,11 +31,32 @@ def profile_step(spec: RunSpec, rows: int) -> str:
     with profile(activities=activities) as profiler:
         session.step()
         session.sync()
-    calls = sum(
+    return session, profiler
+
+
+def operators_called(profiler: profile) -> int:
+    """How many ATen operators a profiled step called from Python or autograd, not counting those called by others:
+    each a dispatch, and on a GPU a kernel launch or more (what a host-bound step pays for)."""
+    return sum(
         event.name.startswith("aten::")
         and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
         for event in profiler.events()
     )
+
+
+def operators_per_layer(spec: RunSpec) -> float:
+    """ATen operators a step of `spec.variant` calls per adapted layer beyond the frozen floor's step."""
+    session, profiler = profiled_step(spec)
+    layers = sum(isinstance(module, BaseTunerLayer) for module in session.model.modules())
+    _, floor = profiled_step(dataclasses.replace(spec, variant="floor"))
+    return (operators_called(profiler) - operators_called(floor)) / layers
+
+
+def profile_step(spec: RunSpec, rows: int) -> str:
+    """The profiler's table of one training step after `spec.warmup` steps, sorted by self time, and how many ATen
+    operators the step called (`operators_called`)."""
+    session, profiler = profiled_step(spec)
+    calls = operators_called(profiler)
     sort_by = "self_cuda_time_total" if session.on_cuda else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
     return f"ATen operators called (not counting those called by others): {calls:,}\n{table}"
@@ -47,6 +68,12 @@ def main() -> None:
     parser.add_argument("--variant", choices=list(VARIANTS), default="neuroada-k1")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed training steps before the profiled one.")
     parser.add_argument("--rows", type=int, default=25, help="Ops listed.")
+    parser.add_argument(
+        "--per-layer",
+        nargs="+",
+        metavar="VARIANT",
+        help="Instead of the table: ATen operators per adapted layer beyond the floor's, for each variant named.",
+    )
     args = parser.parse_args()
     defaults = MODEL_DEFAULTS[args.model]
     spec = RunSpec(
@@ -64,6 +91,11 @@ def main() -> None:
         optimizer=args.optimizer,
     )
     print(f"{spec}\ntorch {torch.__version__}\n")
+    if args.per_layer:
+        for variant in args.per_layer:
+            count = operators_per_layer(dataclasses.replace(spec, variant=variant))
+            print(f"ATen operators per adapted layer beyond the floor, {variant}: {count:.1f}")
+        return
     print(profile_step(spec, args.rows))
 
 

@@ -97,7 +97,7 @@ class PluginLayer(WeightedLayer):
                         "or written: load the adapter again from its saved files (PeftModel.from_pretrained / "
                         "load_adapter) on the base model it was trained on."
                     )
-                kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows))
+                kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows).prepared(self.in_features))
             if not products.transformed(kept[3].cols):  # a view made under a torch.func transform dies with it
                 placements[adapter_name] = kept
         return kept[3]

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
@@ -29,6 +28,7 @@ VARIANTS = [
     "neuroada-k20-frozen",
     "neuroada-k20-triton",
     "neuroada-k20-dense-grad",
+    "neuroada-k20-sparse-grad",
     "lora-budget",
     "lora-r8",
     "shira-budget",
@@ -129,28 +129,6 @@ def test_per_op_benchmark_checks_and_times_every_candidate() -> None:
     assert all(float(row[-1]) > 0 for row in rows)
 
 
-def test_the_dense_then_gathered_delta_gradient_keeps_the_tuners_contract() -> None:
-    """The GPU candidate for the deltas' gradient gives the (n, k) float32 values the tuner's own product gives, for
-    all rows and for a subset of rows (experts' placements), from bf16 inputs too."""
-    from peft_neuroada.tuner.products import sampled_grad
-
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        from cost.variants import dense_sampled_grad
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    generator = torch.Generator().manual_seed(0)
-    x, grad = torch.randn(24, 16, generator=generator), torch.randn(24, 10, generator=generator)
-    cols = torch.randint(0, 16, (10, 5), generator=generator, dtype=torch.int32)
-    rows = torch.tensor([1, 4, 7], dtype=torch.int32)
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows_taken, cols_taken in ((None, cols), (rows, cols[:3])):
-            expected = sampled_grad(x.to(dtype), grad.to(dtype), cols_taken, rows_taken)
-            got = dense_sampled_grad(x.to(dtype), grad.to(dtype), cols_taken, rows_taken)
-            assert got.dtype == torch.float32 and got.shape == expected.shape
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_a_calls_setup_is_entered_and_left_outside_its_timing(monkeypatch) -> None:
     """The paired floor switches its adapters off in a setup (peft's `disable_adapter` takes milliseconds): only the
     call itself counts."""
@@ -226,19 +204,29 @@ def test_adapter_switch_benchmark_reports_every_method_and_neuroada_leaves_the_w
 def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) -> None:
     """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
     shared_datasets()  # the study's scale-up trains on commonsense_15k
-    steps = ["specs", "random", "profile", "bf16", "scaleup"]
+    steps = ["step", "specs", "random", "profile", "bf16", "scaleup"]
     command = ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), *steps]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
     assert "torch" in (tmp_path / "gpu.txt").read_text()
     results = json.loads((tmp_path / "train_cost-tiny.json").read_text())["results"]
     variants = ["floor", "neuroada-k1", "neuroada-k20", "neuroada-k20-triton", "neuroada-k20-dense-grad"]
-    variants += ["paper-scatter-k20", "mask-k20", "lora-budget", "full"]
+    variants += ["neuroada-k20-sparse-grad", "paper-scatter-k20", "mask-k20", "lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
     assert "skipped" in (tmp_path / "specs.txt").read_text()  # the CUDA specs, without a GPU
     profiled = (tmp_path / "profile.txt").read_text()
     assert "MergedCopyLinear" in profiled and "sampled_addmm" in profiled
+    assert profiled.count("ATen operators per adapted layer beyond the floor") == 3
+    step = json.loads((tmp_path / "step.json").read_text())
+    assert {layer["shape"] for layer in step["layers"]} == {"135m-up", "1b-up", "1b-down", "8b-up", "8b-down", "8b-q"}
+    assert [s["variant"] for s in step["steps"]] == [
+        "frozen",
+        "neuroada-k1",
+        "neuroada-k20",
+        "lora-budget-k1",
+        "lora-budget-k20",
+    ]
     question = json.loads((tmp_path / "confirm-bf16.json").read_text())
     assert question["settings"]["dtype"] == "bfloat16"
     assert {(run["family"], run["size"]) for run in question["runs"]} == {("neuroada", 20), ("mask", 20)}

@@ -117,3 +117,79 @@ def test_a_captured_cuda_graph_replays_the_eager_output(token_batch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_delta_gradient_on_cuda_is_one_gemm_in_the_operands_dtype_gathered_at_the_placement(dtype):
+    """CUDA's default, `gathered_grad` (the out_dtype GEMM for half precision): the dense reference's values at the
+    placement, the same bits on two runs, and what `sampled_grad` returns there."""
+    from peft_neuroada.tuner import products
+
+    generator = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(300, 70, generator=generator), torch.randn(300, 90, generator=generator)
+    cols = torch.stack([torch.randperm(70, generator=generator)[:20] for _ in range(45)]).int()
+    rows = torch.arange(0, 90, 2, dtype=torch.int32)
+    x, grad, cols, rows = x.to("cuda", dtype), grad.to("cuda", dtype), cols.cuda(), rows.cuda()
+    got = products.sampled_grad(x, grad, cols, rows)
+    expected = (grad[:, rows.long()].double().T @ x.double()).gather(1, cols.long())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-4)
+    assert torch.equal(got, products.gathered_grad(x, grad, cols, rows))
+
+
+def test_the_merged_copy_on_cuda_is_the_accumulating_writes_bits():
+    from peft_neuroada.tuner.forward import merged_copy
+    from peft_neuroada.tuner.placement import Placement, entry_index
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 48, generator=generator).to("cuda", torch.bfloat16)
+    cols = torch.stack([torch.randperm(48, generator=generator)[:6] for _ in range(64)]).int().cuda()
+    placements = [Placement(cols).prepared(48), Placement(cols[::2, :2].clone(), torch.arange(0, 64, 2).int().cuda())]
+    deltas = [torch.randn(64, 6, device="cuda") * 1e-2, torch.randn(32, 2, device="cuda").bfloat16()]
+    expected = weight.clone()
+    for placement, delta in zip(placements, deltas, strict=True):
+        expected.index_put_(entry_index(expected, placement), delta.to(expected.dtype), accumulate=True)
+    assert torch.equal(merged_copy(weight, placements, deltas), expected)
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_a_training_step_of_neuroada_layers_never_waits_for_the_gpu(k):
+    """Under torch's sync debug mode set to "error", forward and backward of adapted layers (after the first call,
+    which prepares the placements) raise on any device-to-host synchronisation."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 64)).to("cuda", torch.bfloat16)
+    model = get_peft_model(base, NeuroAdaConfig(k=k, target_modules=["0", "2"]))
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_compiled_decoder_block_with_neuroada_layers_trains_like_eager_on_cuda(token_batch):
+    """torch.compile in its default mode (inductor) of a Llama decoder block with every projection adapted."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama().to("cuda"), NeuroAdaConfig(k=3, init_weights=False))
+    block = model.base_model.model.model.layers[0]
+    hidden = torch.randn(2, 12, model.config.hidden_size, device="cuda")
+    position_ids = torch.arange(12, device="cuda")[None].expand(2, -1)
+    rotary = model.base_model.model.model.rotary_emb(hidden, position_ids)
+
+    def run(call):
+        model.zero_grad()
+        out = call(hidden, position_embeddings=rotary)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().mean().backward()
+        return out.detach(), {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None
+        }
+
+    eager_out, eager_grads = run(block)
+    compiled_out, compiled_grads = run(torch.compile(block))
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-4, atol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys() and compiled_grads
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)

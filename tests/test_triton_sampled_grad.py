@@ -22,7 +22,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = """
 import torch
 from peft_neuroada.accel import triton_sampled_grad
-from peft_neuroada.tuner import products
 
 def case(tokens, d_in, n, k, rows=None, dtype=torch.float32, strided=False):
     generator = torch.Generator().manual_seed(tokens + k)
@@ -30,14 +29,19 @@ def case(tokens, d_in, n, k, rows=None, dtype=torch.float32, strided=False):
     grad = torch.randn(tokens, n if rows is None else 2 * n, generator=generator).to(dtype)
     if strided:
         x, grad = x.T.contiguous().T, grad.T.contiguous().T
-    cols = torch.stack([torch.randperm(d_in, generator=generator)[:k] for _ in range(n)])
-    expected = products.sampled_grad(x, grad, cols, rows)
+    cols = torch.stack([torch.randperm(d_in, generator=generator)[:k] for _ in range(n)]).int()
+    tuned = grad if rows is None else grad[:, rows.long()]
+    expected = (tuned.double().T @ x.double()).gather(1, cols.long())
     got = triton_sampled_grad.sampled_grad(x, grad, cols, rows)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert got.dtype == torch.float32 and got.shape == cols.shape
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, triton_sampled_grad.sampled_grad(x, grad, cols, rows)), "two runs, the same bits"
 
-case(1, 7, 5, 1)
-case(150, 50, 37, 5, rows=torch.arange(0, 74, 2))
-case(70, 40, 45, 20, dtype=torch.bfloat16)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    case(1, 7, 5, 1, dtype=dtype)  # one token
+    case(150, 50, 37, 5, rows=torch.arange(0, 74, 2), dtype=dtype)  # sizes off the 64-wide tiles, some rows
+    case(70, 100, 3, 80, dtype=dtype)  # k above a tile's width
+case(9, 1, 6, 1)  # one input
 case(33, 16, 9, 3, strided=True)
 print("checked")
 """

@@ -29,6 +29,7 @@ from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
 from peft_neuroada.cache import cache_root, save_model_folder_once
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
+from peft_neuroada.tuner import products
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
 from peft_neuroada.tuner.layer import NeuroAdaLayer
 from peft_neuroada.tuner.model import expert_projections
@@ -225,21 +226,19 @@ def neuroada_triton(model: PreTrainedModel) -> Setup:
     return peft_model, trainable, f"neuroada k={BUDGET_K}, triton delta gradient"
 
 
-def dense_sampled_grad(x2d: torch.Tensor, grad2d: torch.Tensor, cols: torch.Tensor, rows: torch.Tensor | None):
-    """The deltas' gradient as the dense weight gradient of the layer, gathered at the deltas' positions: one GEMM and
-    a gather, through a transient (d_out, d_in) float32 tensor per layer. A candidate for GPUs, where a GEMM is cheap
-    and torch's sparse kernel may not be; it goes into the tuner only if gpu.sh shows it 10% faster there."""
-    tuned = grad2d if rows is None else grad2d.index_select(1, rows)
-    return (tuned.float().T @ x2d.float()).gather(1, cols.long())
+def neuroada_delta_grad(product: str) -> Callable[[PreTrainedModel], Setup]:
+    """NeuroAda k=20 with one delta-gradient candidate on every device: "gathered" (`products.gathered_grad`, the
+    default on CUDA: one GEMM, gathered) or "sparse" (`products.sparse_sampled_grad`, the default elsewhere)."""
+    function = {"gathered": products.gathered_grad, "sparse": products.sparse_sampled_grad}[product]
 
+    def setup(model: PreTrainedModel) -> Setup:
+        peft_model, trainable, _ = neuroada(BUDGET_K)(model)
+        for layer in peft_model.modules():
+            if isinstance(layer, NeuroAdaLayer):
+                layer.sampled_grad = function
+        return peft_model, trainable, f"neuroada k={BUDGET_K}, {product} delta gradient"
 
-def neuroada_dense_grad(model: PreTrainedModel) -> Setup:
-    """NeuroAda k=20 with `dense_sampled_grad` as its delta gradient."""
-    peft_model, trainable, _ = neuroada(BUDGET_K)(model)
-    for layer in peft_model.modules():
-        if isinstance(layer, NeuroAdaLayer):
-            layer.sampled_grad = dense_sampled_grad
-    return peft_model, trainable, f"neuroada k={BUDGET_K}, dense-then-gathered delta gradient"
+    return setup
 
 
 def neuroada_frozen(model: PreTrainedModel) -> Setup:
@@ -341,7 +340,8 @@ VARIANTS: dict[str, Callable[[PreTrainedModel], Setup]] = {
     "neuroada-k20": neuroada(BUDGET_K),
     "neuroada-k20-frozen": neuroada_frozen,
     "neuroada-k20-triton": neuroada_triton,
-    "neuroada-k20-dense-grad": neuroada_dense_grad,
+    "neuroada-k20-dense-grad": neuroada_delta_grad("gathered"),
+    "neuroada-k20-sparse-grad": neuroada_delta_grad("sparse"),
     "lora-budget": lora(None),
     "lora-r8": lora(8),
     "shira-budget": shira(),

@@ -20,14 +20,12 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from . import products
-from .placement import Placement, entry_index, unique_columns
+from .placement import Placement, entry_index
 
 # The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k), at least float32 (`products.sampled_grad`'s).
 SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
 BYPASS_MAX_TOKENS = 32
-# Backward keeps only the input columns the deltas read when they are at most this share of the input.
-COMPACT_INPUT_MAX_SHARE = 0.5
 FEW_TOKENS = "few tokens without gradients: the bypass costs less than a copy of the weight"
 _LINEAR_MODULES = (nn.Linear, Conv1D)
 _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
@@ -75,15 +73,21 @@ def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str
 
 
 def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up). Not `scatter_add_`:
-    on the CPU it accumulates a narrower dtype in a float32 copy of the whole weight."""
-    copy = weight
+    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up, one after another).
+    Each adapter's entries are read, added to and written back: no accumulating write, which CUDA sorts for and the
+    CPU runs on one thread (an adapter names each entry once, so the values are the same bits)."""
+    copy = weight.clone()
     for placement, delta in zip(placements, deltas, strict=True):
-        index, values = entry_index(copy, placement), delta.to(copy.dtype)
-        if copy is weight or products.transformed(delta):  # out of place: vmap may batch the delta and not the copy
-            copy = copy.index_put(index, values, accumulate=True)
-        else:
-            copy.index_put_(index, values, accumulate=True)
+        values = products.cast(delta, copy.dtype)
+        if placement.entries is None or products.transformed(delta) or products.transformed(copy):
+            index = entry_index(copy, placement)
+            copy = copy.index_put(index, copy[index] + values)  # out of place: vmap may batch the delta, not the copy
+        elif copy.is_contiguous():
+            flat, entries = copy.view(-1), placement.entries
+            flat.index_put_((entries,), flat.index_select(0, entries) + values.view(-1))
+        else:  # a transposed layout (Conv1D, some experts): the entries' flat positions are a row-major weight's
+            index = entry_index(copy, placement)
+            copy.index_put_(index, copy[index] + values)
     return copy
 
 
@@ -92,17 +96,14 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
 
 
 def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor | None, list]:
-    """What backward keeps of the input for the deltas' gradients: the columns the deltas read when they are few (k=1
-    reads a small share of most layers' inputs), with the placements re-indexed into them, or None for the whole input.
-    A tracked `index_select` outside the Functions: higher orders see the deltas' gradient depend on the input.
-    Traced, the whole input (how many columns are read is data that a graph cannot branch on)."""
-    d_in = x.shape[-1]
-    if sum(p.cols.numel() for p in placements) <= 2 * d_in and not torch.compiler.is_compiling():
-        used, local = unique_columns(torch.cat([p.cols.reshape(-1) for p in placements]))
-        if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
-            local_cols = local.split([p.cols.numel() for p in placements])
-            compact = [Placement(c.view_as(p.cols), p.rows) for c, p in zip(local_cols, placements, strict=True)]
-            return _flatten(x).index_select(1, used.to(x.device)), compact
+    """What backward keeps of the input for the deltas' gradients: for one adapter whose deltas read few of the input
+    columns (k=1 reads a small share of most layers' inputs; `Placement.prepared`), those columns, with the placement
+    re-indexed into them; else None, for the whole input. A tracked `index_select` outside the Functions: higher
+    orders see the deltas' gradient depend on the input."""
+    if len(placements) == 1 and placements[0].read is not None:
+        placement = placements[0]
+        compact = Placement(placement.read_cols, placement.rows)
+        return _flatten(x).index_select(1, placement.read.to(x.device)), [compact]
     return None, list(placements)
 
 
@@ -136,13 +137,13 @@ class MergedCopyLinear(torch.autograd.Function):
         grad2d, grad_x, grad_weight, grad_bias = _flatten(grad_out), None, None, None
         if needs[0]:
             copy = merged_copy(ctx.weight, ctx.placements, deltas)
-            grad_x = (grad_out @ copy.to(grad_out.dtype)).to(ctx.input_dtype)
+            grad_x = products.cast(grad_out @ products.cast(copy, grad_out.dtype), ctx.input_dtype)
         if needs[3] and kept is not None:  # traced only: the copy path is taken for a frozen weight
             grad_weight = (grad2d.T @ _flatten(kept).to(grad2d.dtype)).to(ctx.weight.dtype)
         if needs[4]:
             grad_bias = grad2d.sum(0).to(ctx.bias_dtype)
         grads = [
-            ctx.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows).to(delta.dtype) if needed else None
+            products.cast(ctx.sampled_grad(_flatten(kept), grad2d, p.cols, p.rows), delta.dtype) if needed else None
             for p, delta, needed in zip(ctx.kept_placements, deltas, needs[7:], strict=True)
         ]
         return grad_x, None, None, grad_weight, grad_bias, None, None, *grads
@@ -174,7 +175,7 @@ class SparseBypass(torch.autograd.Function):
             grad_x = grad_x.to(grad_out.dtype).view(ctx.input_shape)
         if needs[6]:
             cols, rows = ctx.kept_placement.cols, ctx.kept_placement.rows
-            grad_delta = ctx.sampled_grad(_flatten(kept), grad2d, cols, rows).to(delta.dtype)
+            grad_delta = products.cast(ctx.sampled_grad(_flatten(kept), grad2d, cols, rows), delta.dtype)
         return grad_x, None, None, None, None, None, grad_delta
 
 

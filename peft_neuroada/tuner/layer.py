@@ -235,7 +235,7 @@ class NeuroAdaLayer(BaseTunerLayer):
                 f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and would read as other columns. Nothing "
                 "was computed: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter)."
             )
-        return Placement(from_buffer(buffer, delta.shape), rows)
+        return Placement(from_buffer(buffer, delta.shape), rows).prepared(self.in_features)
 
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into its quantized weight (requantized: the base values are gone)."""

@@ -6,19 +6,53 @@ from typing import NamedTuple
 
 import torch
 
+from .products import transformed
+
+# Backward keeps only the input columns the deltas read when they are at most this share of the input.
+COMPACT_INPUT_MAX_SHARE = 0.5
+
 
 class Placement(NamedTuple):
     """Where one adapter's deltas sit in a (d_out, d_in) weight: delta[i, j] belongs to input `cols[i, j]` of neuron
     `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). A named tuple: `torch.func` transforms
-    find its tensors among an autograd Function's arguments."""
+    find its tensors among an autograd Function's arguments.
+
+    `prepared` adds what every call would otherwise derive again, some of it only by waiting on the device (`unique`):
+    `entries`, the flat positions `neuron * d_in + col` in a row-major weight, and, when the deltas read at most
+    `COMPACT_INPUT_MAX_SHARE` of the inputs, `read` (those input columns, sorted) and `read_cols` (`cols` as positions
+    among them)."""
 
     cols: torch.Tensor
     rows: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+    read: torch.Tensor | None = None
+    read_cols: torch.Tensor | None = None
+
+    def prepared(self, d_in: int) -> Placement:
+        """This placement with `entries`, `read` and `read_cols` computed (itself where a graph is traced or a
+        `torch.func` transform wraps the indices: derived tensors would not outlive them)."""
+        if torch.compiler.is_compiling() or transformed(self.cols):
+            return self
+        read = read_cols = None
+        if self.cols.numel() <= 2 * d_in:
+            used, local = unique_columns(self.cols)
+            if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
+                read, read_cols = used, local
+        return self._replace(entries=flat_entries(self, d_in), read=read, read_cols=read_cols)
 
     def copy(self, device: torch.device | None = None) -> Placement:
         """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
         copy = (lambda t: t.clone()) if device is None else (lambda t: t.to(device))
         return Placement(copy(self.cols), None if self.rows is None else copy(self.rows))
+
+
+def flat_entries(placement: Placement, d_in: int) -> torch.Tensor:
+    """The placement's entries, in the deltas' order, as flat positions `neuron * d_in + col` of a row-major weight
+    (a stack of experts counts its neurons expert after expert), int32 where they fit (`index_put_` takes them)."""
+    cols = placement.cols.long()
+    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
+    entries = (rows[:, None] * d_in + cols).view(-1)
+    return entries.int() if not entries.numel() or entries.max() <= torch.iinfo(torch.int32).max else entries
 
 
 def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """The three sparse products of the bypass and the deltas' gradient, one torch kernel each: `sampled_grad` (the dense
 weight gradient at the placement, SDDMM), `bypass_forward` (`(P ⊙ Θ) x`, CSR times dense) and `bypass_input_grad` (its
 transpose, CSC times dense). Where torch has no sparse kernels (other devices, `torch.compile`, `transformed` operands)
-they run as k passes of gathers, as `sampled_grad` does for small k (faster, measured on the CPU). They compute in
-float32, or in float64 where an operand is float64.
+they run as k passes of gathers, as `sampled_grad` does for small k (faster, measured on the CPU). On CUDA
+`sampled_grad` is `gathered_grad`, one half-precision GEMM gathered at the placement. They compute in float32, or in
+float64 where an operand is float64.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def token_major(t: Tensor) -> Tensor:
 
 def _accumulating(a: Tensor, b: Tensor) -> torch.dtype:
     """float32, or float64 where an operand is: the products never accumulate in a dtype narrower than float32."""
-    return torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """`t` in `dtype`: itself where it already is (a `to` that does nothing is still an operator called per layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _no_autocast(t: Tensor):
@@ -75,19 +81,43 @@ def _no_autocast(t: Tensor):
 
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
+    """The deltas' gradient: `gathered_grad` on CUDA, `sparse_sampled_grad` elsewhere (each the faster there)."""
+    return (gathered_grad if x2d.device.type == "cuda" else sparse_sampled_grad)(x2d, grad2d, cols, rows)
+
+
+def sparse_sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
+    """The deltas' gradient as k passes of gathers (small k, or where torch's sparse kernels do not run) or torch's
+    sampled product (SDDMM), in float32: only the n * k sampled entries are computed."""
     cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     dtype = _accumulating(x2d, grad2d)
-    tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)
+    tuned = cast(grad2d if rows is None else grad2d.index_select(1, rows), dtype)
     n, k = cols.shape
     if k <= COLUMN_LOOP_MAX_K or not _sparse_kernels_cover(x2d, grad2d):
-        columns = [(x2d.index_select(1, cols[:, j]).to(dtype) * tuned).sum(0) for j in range(k)]
+        columns = [(cast(x2d.index_select(1, cols[:, j]), dtype) * tuned).sum(0) for j in range(k)]
         return torch.stack(columns, dim=1)
     pattern = _pattern(cols, x2d.shape[1], torch.zeros(n * k, dtype=dtype, device=cols.device))
     # Token-major operands: the kernel's own transposes of row-major ones cost it twice as much as these copies.
     with _no_autocast(x2d):
-        operands = token_major(tuned).T, token_major(x2d.to(dtype))
+        operands = token_major(tuned).T, token_major(cast(x2d, dtype))
         return torch.sparse.sampled_addmm(pattern, *operands, beta=0.0).values().view(n, k)
+
+
+def gathered_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
+    """`sampled_grad` as the dense weight gradient of the tuned neurons, gathered at the placement: one GEMM on the
+    operands in their own dtype, accumulated and returned in float32 (`out_dtype` on CUDA), whatever k is. On a GPU
+    a half-precision GEMM runs on tensor cores, where cuSPARSE's sampled product has float32 kernels only and runs at
+    an fp32 GEMM's speed; the (n, d_in) float32 gradient lives for the gather."""
+    cols, rows = _indices(cols, rows)
+    tuned = grad2d if rows is None else grad2d.index_select(1, rows)
+    half = x2d.dtype == tuned.dtype in (torch.float16, torch.bfloat16)
+    with _no_autocast(x2d):
+        if half and x2d.device.type == "cuda" and _sparse_kernels_cover(x2d, tuned):  # eager: the out_dtype GEMM
+            dense = torch.mm(tuned.T, x2d, out_dtype=torch.float32)
+        else:
+            dtype = _accumulating(x2d, tuned)
+            dense = cast(tuned, dtype).T @ cast(x2d, dtype)
+    return dense.gather(1, cols.long())
 
 
 def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
