@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .tuner.experts import ParamWrapper
-from .tuner.index_storage import to_buffer
+from .tuner.index_storage import BUFFER_DTYPE
 from .tuner.layer import NeuroAdaLayer
 from .tuner.selection import select_inputs
 
@@ -122,7 +122,7 @@ def reselect(layer: NeuroAdaLayer, adapter_name: str, cols: torch.Tensor) -> Non
     """Move an unmerged adapter to new input columns (same neurons) and restart its deltas from initialisation."""
     _refuse_merged(layer, adapter_name)
     delta = layer.neuroada_delta[adapter_name]
-    layer.neuroada_indices[adapter_name] = to_buffer(cols, layer.in_features)
+    layer.neuroada_indices[adapter_name] = cols.to(BUFFER_DTYPE)
     with torch.no_grad():
         delta.copy_(layer._initial_delta(adapter_name, *delta.shape, delta.dtype))
 

@@ -20,7 +20,6 @@ from peft.tuners._buffer_dict import BufferDict
 
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
 from .tuner import experts, layer, products
-from .tuner.index_storage import from_buffer
 from .tuner.model import MixedBatch
 from .tuner.placement import Placement
 from .tuner.state_checks import placement_problem
@@ -76,7 +75,7 @@ class PluginLayer(WeightedLayer):
         shape = self.neuroada_delta._parameters[adapter_name].shape
         buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
         if torch.compiler.is_compiling() or products.transformed(buffer):  # dynamo would guard on what is kept; a
-            return Placement(from_buffer(buffer, shape), rows)  # buffer vmapped (stack_module_state) has no storage
+            return Placement(buffer, rows)  # buffer vmapped (stack_module_state) has no storage
         if buffer.is_inference() or (rows is not None and rows.is_inference()):
             buffer = _versioned(self.neuroada_indices, adapter_name)
             rows = _versioned(self.neuroada_rows, adapter_name)
@@ -97,8 +96,8 @@ class PluginLayer(WeightedLayer):
                         "or written: load the adapter again from its saved files (PeftModel.from_pretrained / "
                         "load_adapter) on the base model it was trained on."
                     )
-                kept = (buffer, rows, state, Placement(from_buffer(buffer, shape), rows).prepared(self.in_features))
-            if not products.transformed(kept[3].cols):  # a view made under a torch.func transform dies with it
+                kept = (buffer, rows, state, Placement(buffer, rows).prepared(self.in_features))
+            if kept[3].neurons is not None:  # prepared: nothing in it was made under a torch.func transform
                 placements[adapter_name] = kept
         return kept[3]
 

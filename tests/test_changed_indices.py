@@ -32,10 +32,7 @@ def with_columns(model, adapter: str, change) -> dict[str, torch.Tensor]:
     layer = named_neuroada_layers(model)[LAYER]
     cols = layer.placement(adapter).cols.clone()
     change(cols)
-    state[f"{LAYER}.neuroada_indices.{adapter}"] = layer.neuroada_indices[adapter].clone()
-    shape = layer.neuroada_delta[adapter].shape
-    state[f"{LAYER}.neuroada_indices.{adapter}"].view(torch.int16)[: cols.numel()].copy_(cols.reshape(-1))
-    assert state[f"{LAYER}.neuroada_indices.{adapter}"].numel() * 2 >= shape.numel()
+    state[f"{LAYER}.neuroada_indices.{adapter}"] = cols
     return state
 
 

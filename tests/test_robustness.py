@@ -14,7 +14,6 @@ from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from peft_neuroada import NeuroAdaConfig, safe_io
-from peft_neuroada.tuner.index_storage import from_buffer
 from tests.conftest import logits, neuroada_layers, real_minilm, tiny_bert, tiny_llama
 
 
@@ -58,20 +57,19 @@ def test_invalid_config_fields_are_refused_by_name(saved_adapter, field, value, 
 
 
 @pytest.mark.parametrize("saved_dtype", [torch.int16, torch.int32, torch.int64])
-def test_n_by_k_indices_in_any_integer_dtype_load_like_the_packed_ones(saved_adapter, token_batch, saved_dtype):
-    """(n, k) int16 columns are the layout of adapters saved before the columns were saved as held."""
+def test_n_by_k_indices_in_any_integer_dtype_load_like_int32_ones(saved_adapter, token_batch, saved_dtype):
+    """(n, k) int16 columns are the layout of adapters saved before 2026-11-25."""
     model, adapter_dir = saved_adapter
     weights = adapter_dir / "adapter_model.safetensors"
     tensors = load_file(weights)
     layers = [key.removesuffix(".neuroada_delta") for key in tensors if key.endswith(".neuroada_delta")]
     for layer in layers:
-        cols = from_buffer(tensors[f"{layer}.neuroada_indices"], tensors[f"{layer}.neuroada_delta"].shape)
-        tensors[f"{layer}.neuroada_indices"] = cols.to(saved_dtype)
+        tensors[f"{layer}.neuroada_indices"] = tensors[f"{layer}.neuroada_indices"].to(saved_dtype)
     save_file(tensors, weights)
     for low_cpu_mem_usage in (False, True):
         loaded = PeftModel.from_pretrained(tiny_llama(), adapter_dir, low_cpu_mem_usage=low_cpu_mem_usage)
         layers = neuroada_layers(loaded)
-        assert all(layer.placement("default").cols.dtype == torch.int16 for layer in layers)
+        assert all(layer.placement("default").cols.dtype == torch.int32 for layer in layers)
         assert torch.equal(logits(loaded, token_batch), logits(model, token_batch))
 
 

@@ -28,7 +28,6 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, select_by_gradient
-from peft_neuroada.tuner.index_storage import from_buffer
 from tests.conftest import (
     TINY_AND_REAL,
     hidden,
@@ -56,11 +55,11 @@ def test_saved_adapter_holds_only_deltas_and_compact_indices(trained_smollm2_ada
     assert {key.rsplit(".", 1)[-1] for key in tensors} == {"neuroada_delta", "neuroada_indices"}
     deltas = {key.rsplit(".", 1)[0]: t for key, t in tensors.items() if key.endswith("neuroada_delta")}
     assert all(t.dtype == torch.float32 and t.shape[1] == 1 for t in deltas.values())
-    for layer, delta in deltas.items():  # int16 column pairs in int32 (plus a zero after an odd count)
+    for layer, delta in deltas.items():  # (n, k) int32 columns
         indices = tensors[f"{layer}.neuroada_indices"]
-        assert indices.dtype == torch.int32 and indices.shape == ((delta.numel() + 1) // 2,), layer
+        assert indices.dtype == torch.int32 and indices.shape == delta.shape, layer
     neurons = sum(t.shape[0] for t in deltas.values())
-    payload = neurons * (4 + 2) + 2 * len(deltas)
+    payload = neurons * (4 + 4)
     size = (adapter_dir / "adapter_model.safetensors").stat().st_size
     print(f"\nSmolLM2-135M NeuroAda k=1 adapter: {size:,} bytes for {neurons:,} neurons (payload {payload:,} bytes)")
     header_budget = 160 * len(tensors)  # safetensors' JSON header: name, dtype, shape, offsets per tensor
@@ -279,21 +278,21 @@ def test_push_to_hub_uploads_the_adapter_through_peft(tmp_path):
 
 
 def saved_cols(tensors: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
-    """A saved layer's (n, k) columns, as a view into its saved int32 pairs."""
-    return from_buffer(tensors[f"{layer}.neuroada_indices"], tensors[f"{layer}.neuroada_delta"].shape)
+    """A saved layer's (n, k) columns."""
+    return tensors[f"{layer}.neuroada_indices"]
 
 
-def test_columns_are_int16_pairs_in_int32_buffers_in_memory_and_on_disk(tmp_path):
-    """DDP broadcasts buffers and no collective backend broadcasts int16, so pairs of int16 columns share an int32;
-    saved as held, so loaders that assign tensors by name (transformers') load them as they are."""
+def test_columns_are_n_by_k_int32_in_memory_and_on_disk(tmp_path):
+    """int32: DDP broadcasts buffers, and gloo and NCCL broadcast it; saved as held, so loaders that assign tensors
+    by name (transformers') load them as they are, on hosts of either byte order."""
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3))
     model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
     loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     for name, layer in named_neuroada_layers(loaded).items():
         buffer, cols = layer.neuroada_indices["default"], layer.placement("default").cols
-        assert buffer.dtype == torch.int32 and buffer.numel() == (cols.numel() + 1) // 2
-        assert cols.dtype == torch.int16 and cols.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert buffer.dtype == torch.int32 and buffer.shape == layer.neuroada_delta["default"].shape
+        assert cols is buffer
         assert torch.equal(buffer, saved[f"{name}.neuroada_indices"]), name
         assert torch.equal(cols, named_neuroada_layers(model)[name].placement("default").cols), name
 
@@ -369,26 +368,12 @@ def test_an_adapter_file_with_deltas_but_no_indices_is_refused_naming_the_layer(
         PeftModel.from_pretrained(tiny_llama(), tmp_path)
 
 
-def test_packed_columns_saved_in_int64_load_like_int32_ones(tmp_path, token_batch):
+def test_columns_saved_in_int64_load_like_int32_ones(tmp_path, token_batch):
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
     model.save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     widened = {key: t.long() for key, t in tensors.items() if key.endswith("neuroada_indices")}
     save_file(tensors | widened, tmp_path / "adapter_model.safetensors")
-    assert torch.equal(
-        logits(PeftModel.from_pretrained(tiny_llama(), tmp_path), token_batch), logits(model, token_batch)
-    )
-
-
-def test_columns_saved_as_n_by_k_int32_load_on_any_host(tmp_path, token_batch):
-    """The layout a big-endian host saves, and every machine before the columns were packed."""
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=3, init_weights=False))
-    model.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "adapter_model.safetensors")
-    layers = [key.removesuffix(".neuroada_indices") for key in tensors if key.endswith("neuroada_indices")]
-    unpacked = {f"{layer}.neuroada_indices": saved_cols(tensors, layer).to(torch.int32) for layer in layers}
-    save_file(tensors | unpacked, tmp_path / "adapter_model.safetensors")
-    assert all(t.dim() == 2 for t in unpacked.values())
     assert torch.equal(
         logits(PeftModel.from_pretrained(tiny_llama(), tmp_path), token_batch), logits(model, token_batch)
     )
@@ -417,7 +402,7 @@ class WideInput(nn.Module):
         return self.wide(x)
 
 
-def test_indices_past_the_int16_range_are_saved_as_int32_and_load_back(tmp_path):
+def test_indices_past_int16s_range_load_back(tmp_path):
     """A layer with more than 32768 inputs must not wrap its column indices around when saved compactly."""
     model = get_peft_model(WideInput(), NeuroAdaConfig(k=2, target_modules=["wide"], init_weights=False))
     indices = model.base_model.model.wide.placement("default").cols.clone()

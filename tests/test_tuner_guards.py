@@ -16,7 +16,6 @@ from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.tuner import config as tuner_config
 from peft_neuroada.tuner import experts, layer
 from peft_neuroada.tuner import model as tuner_model
-from peft_neuroada.tuner.index_storage import to_buffer
 from tests.conftest import tiny_causal_lm, tiny_llama
 
 TARGETS = {
@@ -53,7 +52,7 @@ def with_bad_column(model, adapted, change) -> tuple[dict[str, torch.Tensor], st
     cols = adapted.placement("default").cols.clone()
     cols[0, 0] = change(cols, adapted.in_features)
     key = next(f"{name}.neuroada_indices.default" for name, module in model.named_modules() if module is adapted)
-    state[key] = to_buffer(cols, adapted.in_features)
+    state[key] = cols
     return state, key
 
 

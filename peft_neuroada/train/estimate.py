@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from ..budget import lora_rank_for_k, neuroada_parameter_count, targeted_shapes
 from ..targets import targeted_modules, targeted_parameters
 from ..tuner.config import DTYPES, NeuroAdaConfig
-from ..tuner.index_storage import to_buffer
+from ..tuner.index_storage import BUFFER_DTYPE
 
 METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.ESTIMATE_METHODS spells them out too
 DEVICES = ("cuda", "cpu")  # where AdamW steps: torch's default implementation differs (Estimator.adamw)
@@ -264,12 +264,8 @@ def weight_bytes(model: nn.Module, quantize: str | None) -> int:
 
 
 def index_bytes(shapes: list[tuple[int, int]], k: int) -> int:
-    """NeuroAda's column indices, as its layers store them (index_storage.to_buffer, on meta tensors)."""
-    total = 0
-    for d_out, d_in in shapes:
-        buffer = to_buffer(torch.empty(d_out, min(k, d_in), dtype=torch.long, device="meta"), d_in)
-        total += buffer.numel() * buffer.element_size()
-    return total
+    """NeuroAda's column indices, as its layers store them: (d_out, k) int32 per layer."""
+    return sum(d_out * min(k, d_in) for d_out, d_in in shapes) * BUFFER_DTYPE.itemsize
 
 
 class Estimator:

@@ -78,15 +78,10 @@ def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: S
     CPU runs on one thread (an adapter names each entry once, so the values are the same bits)."""
     copy = weight.clone()
     for placement, delta in zip(placements, deltas, strict=True):
-        values = products.cast(delta, copy.dtype)
-        if placement.entries is None or products.transformed(delta) or products.transformed(copy):
-            index = entry_index(copy, placement)
-            copy = copy.index_put(index, copy[index] + values)  # out of place: vmap may batch the delta, not the copy
-        elif copy.is_contiguous():
-            flat, entries = copy.view(-1), placement.entries
-            flat.index_put_((entries,), flat.index_select(0, entries) + values.view(-1))
-        else:  # a transposed layout (Conv1D, some experts): the entries' flat positions are a row-major weight's
-            index = entry_index(copy, placement)
+        index, values = entry_index(copy, placement), products.cast(delta, copy.dtype)
+        if products.transformed(delta) or products.transformed(copy):  # vmap may batch the delta, not the copy
+            copy = copy.index_put(index, copy[index] + values)
+        else:
             copy.index_put_(index, copy[index] + values)
     return copy
 

@@ -23,7 +23,7 @@ from torch import nn
 from . import products
 from .config import DTYPES, NeuroAdaConfig
 from .forward import adapted_linear
-from .index_storage import BUFFER_DTYPE, from_buffer, to_buffer
+from .index_storage import BUFFER_DTYPE
 from .placement import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
 from .state_checks import SAVED_TENSORS, check_layer_state, placement_problem
@@ -112,7 +112,7 @@ class QuantizedWeight:
 
 class NeuroAdaLayer(BaseTunerLayer):
     """Adapter state of one layer, per adapter name: `neuroada_delta` (n, k) trainable values at input columns
-    `placement(name).cols` (n, k) of the n tuned neurons, stored compactly in `neuroada_indices` (index_storage.py);
+    `placement(name).cols` (n, k) of the n tuned neurons, held as (n, k) int32 in `neuroada_indices`;
     `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
@@ -214,7 +214,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         with gather_params_ctx(self.weight_out_in(), modifier_rank=None):
             weight = self.base_weight().reshape(-1, self.in_features) if quantized is None else quantized
             cols = select_inputs(weight if rows is None else weight[rows.long()], k, config.selection, generator)
-            self.neuroada_indices[adapter_name] = to_buffer(cols, self.in_features)
+            self.neuroada_indices[adapter_name] = cols.to(BUFFER_DTYPE)
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
         return (self.out_features if rows is None else rows.numel()), weight.dtype
@@ -224,18 +224,18 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
-        """Where the adapter's deltas sit: its index buffer read as (n, k) columns, and its rows. Their values are
-        checked as they enter (selection, loading, merge); a cast of the buffer, which would read as other columns
-        and costs nothing to see, is refused here."""
-        delta, buffer = self.neuroada_delta[adapter_name], self.neuroada_indices[adapter_name]
+        """Where the adapter's deltas sit: its (n, k) columns and its rows. Their values are checked as they enter
+        (selection, loading, merge); a cast of the buffers, which may no longer hold the exact columns and costs
+        nothing to see, is refused here."""
+        buffer = self.neuroada_indices[adapter_name]
         rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
         if buffer.dtype != BUFFER_DTYPE or (rows is not None and rows.dtype != BUFFER_DTYPE):
             raise ValueError(
                 f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its index buffers were "
-                f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and would read as other columns. Nothing "
+                f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and may read as other columns. Nothing "
                 "was computed: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter)."
             )
-        return Placement(from_buffer(buffer, delta.shape), rows).prepared(self.in_features)
+        return Placement(buffer, rows).prepared(self.in_features)
 
     def merged_into_quantized_weight(self) -> bool:
         """Whether adapters are merged into its quantized weight (requantized: the base values are gone)."""

@@ -18,27 +18,26 @@ class Placement(NamedTuple):
     find its tensors among an autograd Function's arguments.
 
     `prepared` adds what every call would otherwise derive again, some of it only by waiting on the device (`unique`):
-    `entries`, the flat positions `neuron * d_in + col` in a row-major weight, and, when the deltas read at most
-    `COMPACT_INPUT_MAX_SHARE` of the inputs, `read` (those input columns, sorted) and `read_cols` (`cols` as positions
-    among them)."""
+    `neurons`, the (n, 1) neuron of each row of deltas, and, when the deltas read at most `COMPACT_INPUT_MAX_SHARE`
+    of the inputs, `read` (those input columns, sorted) and `read_cols` (`cols` as positions among them)."""
 
     cols: torch.Tensor
     rows: torch.Tensor | None = None
-    entries: torch.Tensor | None = None
+    neurons: torch.Tensor | None = None
     read: torch.Tensor | None = None
     read_cols: torch.Tensor | None = None
 
     def prepared(self, d_in: int) -> Placement:
-        """This placement with `entries`, `read` and `read_cols` computed (itself where a graph is traced or a
-        `torch.func` transform wraps the indices: derived tensors would not outlive them)."""
-        if torch.compiler.is_compiling() or transformed(self.cols):
+        """This placement with `neurons`, `read` and `read_cols` computed (itself where a graph is traced or a
+        `torch.func` transform is running: tensors made under it would not outlive it)."""
+        if torch.compiler.is_compiling() or transformed(neurons := _neurons(self)):
             return self
         read = read_cols = None
         if self.cols.numel() <= 2 * d_in:
             used, local = unique_columns(self.cols)
             if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
                 read, read_cols = used, local
-        return self._replace(entries=flat_entries(self, d_in), read=read, read_cols=read_cols)
+        return self._replace(neurons=neurons, read=read, read_cols=read_cols)
 
     def copy(self, device: torch.device | None = None) -> Placement:
         """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
@@ -46,13 +45,11 @@ class Placement(NamedTuple):
         return Placement(copy(self.cols), None if self.rows is None else copy(self.rows))
 
 
-def flat_entries(placement: Placement, d_in: int) -> torch.Tensor:
-    """The placement's entries, in the deltas' order, as flat positions `neuron * d_in + col` of a row-major weight
-    (a stack of experts counts its neurons expert after expert), int32 where they fit (`index_put_` takes them)."""
-    cols = placement.cols.long()
+def _neurons(placement: Placement) -> torch.Tensor:
+    """The neuron of each row of deltas, as an (n, 1) index."""
+    cols = placement.cols
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
-    entries = (rows[:, None] * d_in + cols).view(-1)
-    return entries.int() if not entries.numel() or entries.max() <= torch.iinfo(torch.int32).max else entries
+    return rows[:, None]
 
 
 def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +62,11 @@ def entry_index(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tenso
     """The placement's entries of a (d_out, d_in) `weight`, or an (E, d_out, d_in) stack, as an index tuple shaped like
     the deltas (a stack counts its neurons expert after expert: neuron `e * d_out + i`). Indexing the tensor itself
     reads and writes any strides, a transposed view's included."""
-    cols = placement.cols.long()
-    rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
+    neurons = _neurons(placement) if placement.neurons is None else placement.neurons
     if weight.dim() == 3:
-        expert, rows = rows.div(weight.shape[1], rounding_mode="floor"), rows.remainder(weight.shape[1])
-        return expert[:, None], rows[:, None], cols
-    return rows[:, None], cols
+        expert, rows = neurons.div(weight.shape[1], rounding_mode="floor"), neurons.remainder(weight.shape[1])
+        return expert, rows, placement.cols
+    return neurons, placement.cols
 
 
 def placed_entries(weight: torch.Tensor, placement: Placement) -> torch.Tensor:

@@ -32,11 +32,6 @@ def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> N
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 
 
-def _indices(*indices: Tensor | None) -> list[Tensor | None]:
-    """int16 indices (as layers store columns) widened to int32, which index_select and the sparse kernels take."""
-    return [t.int() if t is not None and t.dtype == torch.int16 else t for t in indices]
-
-
 def _pattern(cols: Tensor, d_in: int, values: Tensor) -> Tensor:
     """The (n, d_in) CSR matrix with `values` (n, k) at the columns `cols` (n, k)."""
     (n, k), flat = cols.shape, cols.reshape(-1)
@@ -88,7 +83,6 @@ def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None)
 def sparse_sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
     """The deltas' gradient as k passes of gathers (small k, or where torch's sparse kernels do not run) or torch's
     sampled product (SDDMM), in float32: only the n * k sampled entries are computed."""
-    cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, x2d.shape[1], grad2d.shape[1])
     dtype = _accumulating(x2d, grad2d)
     tuned = cast(grad2d if rows is None else grad2d.index_select(1, rows), dtype)
@@ -108,7 +102,6 @@ def gathered_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None
     operands in their own dtype, accumulated and returned in float32 (`out_dtype` on CUDA), whatever k is. On a GPU
     a half-precision GEMM runs on tensor cores, where cuSPARSE's sampled product has float32 kernels only and runs at
     an fp32 GEMM's speed; the (n, d_in) float32 gradient lives for the gather."""
-    cols, rows = _indices(cols, rows)
     tuned = grad2d if rows is None else grad2d.index_select(1, rows)
     half = x2d.dtype == tuned.dtype in (torch.float16, torch.bfloat16)
     with _no_autocast(x2d):
@@ -121,7 +114,6 @@ def gathered_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None
 
 
 def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_out: int) -> Tensor:
-    cols, rows = _indices(cols, rows)
     (n, k), tokens, dtype = cols.shape, x2d.shape[0], _accumulating(x2d, delta)
     if tokens * n * k <= GATHER_MAX_ENTRIES:  # (decoding) one gather of the inputs read, which checks the indices
         gathered = x2d.index_select(1, cols.reshape(-1)).view(tokens, n, k).to(dtype)
@@ -138,7 +130,6 @@ def bypass_forward(x2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor
 
 
 def bypass_input_grad(grad2d: Tensor, cols: Tensor, rows: Tensor | None, delta: Tensor, d_in: int) -> Tensor:
-    cols, rows = _indices(cols, rows)
     _check_bounds(cols, rows, d_in, grad2d.shape[1])
     dtype = _accumulating(grad2d, delta)
     tuned = (grad2d if rows is None else grad2d.index_select(1, rows)).to(dtype)

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
-# A dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (layers pack it: index_storage.py).
+# A dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (index_storage.py).
 INDEX_DTYPE = torch.int32
 # Per strategy: the score whose k largest entries per row are selected.
 _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .index_storage import BUFFER_DTYPE, PACKED_DTYPE, PACKS_PAIRS, from_buffer, index_dtype, index_range, to_buffer
+from .index_storage import BUFFER_DTYPE, index_range, saved_columns
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
 INDEX_TENSORS = ("neuroada_indices", "neuroada_rows")
@@ -30,16 +30,11 @@ def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_
     return None
 
 
-def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int], d_in: int) -> str | None:
-    """How `buffer` differs from `to_buffer`'s for (n, k) columns of `d_in` inputs, or None. Dtype and size must
-    match exactly: viewed as int16 pairs, a cast or resized buffer would read as other columns."""
-    n, k = shape
-    packed = index_dtype(d_in) == PACKED_DTYPE and PACKS_PAIRS
-    expected = (n * k + 1) // 2 if packed else (n, k)
-    held = buffer.numel() if packed else tuple(buffer.shape)
-    if buffer.dtype != BUFFER_DTYPE or buffer.dim() != (1 if packed else 2) or held != expected:
-        wanted = f"{expected} int32 pairs of int16 columns" if packed else f"int32 columns of shape {expected}"
-        return f"is a {buffer.dtype} tensor of shape {tuple(buffer.shape)}, where {wanted} belong"
+def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) -> str | None:
+    """How `buffer` differs from an (n, k) int32 column buffer for deltas of `shape`, or None."""
+    if buffer.dtype != BUFFER_DTYPE or tuple(buffer.shape) != tuple(shape):
+        held = f"is a {buffer.dtype} tensor of shape {tuple(buffer.shape)}"
+        return f"{held}, where int32 columns of shape {tuple(shape)} belong"
     return None
 
 
@@ -47,30 +42,13 @@ def placement_problem(layer, shape: torch.Size, buffer: torch.Tensor | None, row
     """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of `shape`
     in `layer` ("its neuroada_indices ..."), or None."""
     if buffer is not None:
-        problem = buffer_problem(buffer, shape, layer.in_features)
-        if problem := problem or index_problem(from_buffer(buffer, shape), layer.in_features):
+        if problem := buffer_problem(buffer, shape) or index_problem(buffer, layer.in_features):
             return f"its neuroada_indices {problem}"
     if rows is not None:
         problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
         if problem := problem or index_problem(rows, layer.out_features, "neuroada_rows"):
             return f"its neuroada_rows {problem}"
     return None
-
-
-def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """The (n, k) columns a saved index tensor (packed or (n, k)) holds, unpacked whatever the machine's byte order."""
-    n, k = shape
-    if saved.dim() == 2:
-        if tuple(saved.shape) != (n, k):
-            raise ValueError(f"holds columns of shape {tuple(saved.shape)}, not {(n, k)}")
-        return saved
-    if saved.dim() != 1 or saved.dtype not in (BUFFER_DTYPE, torch.int64) or saved.numel() != (n * k + 1) // 2:
-        raise ValueError(
-            f"is a {saved.dtype} tensor of shape {tuple(saved.shape)}, not {(n * k + 1) // 2} int32 pairs of columns "
-            f"for {(n, k)}"
-        )
-    pairs = saved.long()
-    return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
 
 
 def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, torch.Tensor]) -> bool:
@@ -114,7 +92,6 @@ def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, to
             saved = saved.to(BUFFER_DTYPE)
             if attribute == "neuroada_indices":
                 chosen_elsewhere = _shared_share(saved, expected) < 0.5
-                saved = to_buffer(saved, layer.in_features)
             state_dict[key] = saved
     return chosen_elsewhere
 
