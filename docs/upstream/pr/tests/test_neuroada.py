@@ -10,7 +10,6 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from peft import NeuroAdaConfig, PeftModel, get_peft_model
 from peft.tuners.neuroada import ParamWrapper
-from peft.tuners.neuroada.index_storage import to_buffer
 
 
 class MLP(nn.Module):
@@ -115,17 +114,16 @@ class TestNeuroAdaMerge:
 
 
 class TestNeuroAdaIndexStorage:
-    def test_saved_indices_take_two_bytes_per_delta(self, tmp_path):
+    def test_saved_indices_are_one_int32_column_per_delta(self, tmp_path):
         neuroada_mlp(k=3, target_modules=["lin0", "lin1"]).save_pretrained(tmp_path)
         tensors = load_file(tmp_path / "adapter_model.safetensors")
         deltas = {key: value for key, value in tensors.items() if "neuroada_delta" in key}
         assert len(deltas) == 2
         for key, delta in deltas.items():
             indices = tensors[key.replace("neuroada_delta", "neuroada_indices")]
-            assert not indices.is_floating_point()
-            assert indices.numel() * indices.element_size() <= 2 * (delta.numel() + 1)  # an odd count is padded
+            assert indices.dtype == torch.int32 and indices.shape == delta.shape  # (n, k) columns, the row implicit
 
-    @pytest.mark.parametrize("d_in", [16, 40_000])  # int16 columns, and a layer too wide for them
+    @pytest.mark.parametrize("d_in", [16, 40_000])  # a narrow layer, and one wider than int16's columns
     def test_a_reloaded_adapter_keeps_its_entries_on_other_base_weights(self, tmp_path, d_in):
         model = neuroada_mlp(MLP(d_in=d_in, hidden=6), k=3)
         model.save_pretrained(tmp_path)
@@ -181,7 +179,7 @@ def with_column(model, adapter_name: str, column: int) -> dict[str, torch.Tensor
     cols = layer.placement(adapter_name).cols.clone()
     cols[0, 0] = column
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    state[f"base_model.model.lin0.neuroada_indices.{adapter_name}"] = to_buffer(cols, layer.in_features)
+    state[f"base_model.model.lin0.neuroada_indices.{adapter_name}"] = cols.to(torch.int32)
     return state
 
 
