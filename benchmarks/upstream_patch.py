@@ -71,22 +71,32 @@ LICENSE = """\
 REGISTRATION = """
 register_peft_method(name="neuroada", config_cls=NeuroAdaConfig, model_cls=NeuroAdaModel)
 """
-# peft's docs are not in its source release: the toctree entry is one hunk against peft's docs/source/_toctree.yml,
-# found there by its context (SHiRA's entry and the two after it), whatever the line numbers.
+# peft's docs are not in its source release: the toctree entries are hunks against peft's docs/source/_toctree.yml as
+# its repository holds it (checked against huggingface/peft 5d602fdbf, 2026-12: after MiSS in the methods' list, after
+# Multitask Prompt Tuning in the API reference's, both alphabetical, as the Super-Tuning PR placed its entries).
 TOCTREE = "docs/source/_toctree.yml"
 TOCTREE_HUNK = """\
 diff --git a/docs/source/_toctree.yml b/docs/source/_toctree.yml
 --- a/docs/source/_toctree.yml
 +++ b/docs/source/_toctree.yml
-@@ -127,6 +127,8 @@
-       title: RandLora
-     - local: package_reference/shira
-       title: SHiRA
+@@ -111,6 +111,8 @@
+         title: LoRA
+       - local: package_reference/miss
+         title: MiSS
++      - local: package_reference/neuroada
++        title: NeuroAda
+       - local: package_reference/oft
+         title: OFT
+       - local: package_reference/osf
+@@ -206,6 +208,8 @@
+       title: MiSS
+     - local: package_reference/multitask_prompt_tuning
+       title: Multitask Prompt Tuning
 +    - local: package_reference/neuroada
 +      title: NeuroAda
-     - local: package_reference/c3a
-       title: C3A
-     - local: package_reference/miss
+     - local: package_reference/oft
+       title: OFT
+     - local: package_reference/osf
 """
 
 # ------------------------------------------------------------------------------------------ the test tables

@@ -46,3 +46,12 @@ def test_no_other_page_repeats_the_counts():
         if page != UPSTREAM_DOC
     }
     assert not {page: found for page, found in repeated.items() if found}, "link to docs/upstream.md instead"
+
+
+def test_the_prs_docs_page_has_peft_s_shape_in_at_most_80_lines():
+    """A summary, when to prefer it over LoRA (a measured table), usage and the autodoc, as peft's pages are."""
+    page = (ROOT / "docs" / "upstream" / "pr" / "docs" / "source" / "package_reference" / "neuroada.md").read_text()
+    assert len(page.splitlines()) <= 80
+    headings = re.findall(r"(?m)^#+ (.+)$", page)
+    assert headings == ["NeuroAda", "When to prefer it over LoRA", "Usage", "NeuroAdaConfig", "NeuroAdaModel"]
+    assert "[[autodoc]] tuners.neuroada.config.NeuroAdaConfig" in page and "| LoRA, same budget |" in page

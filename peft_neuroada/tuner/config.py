@@ -38,10 +38,11 @@ EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def default_targets(model_type: str | None) -> set[str]:
-    """The modules adapted when `target_modules` is None; unknown architectures get the paper's projections under
-    their separate and fused names."""
-    fallback = [*LLAMA_STYLE_TARGETS, *FUSED_PROJECTIONS]
-    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING.get(model_type, fallback))
+    """The modules adapted when `target_modules` is None: the architecture's entry of the mapping, or BaseTuner's
+    refusal for one it does not know."""
+    if model_type not in TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING:
+        raise ValueError("Please specify `target_modules` in `peft_config`")
+    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING[model_type])
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one dtype table
@@ -61,24 +62,36 @@ class NeuroAdaConfig(PeftConfig):
     deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
 
     Args:
-        k (`int`): Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
-        target_modules (`list[str] | str | None`): Module names, a regex or 'all-linear'; None: the model's default
-            projections (attention q/k/v/o, MLP gate/up/down).
-        exclude_modules (`list[str] | str | None`): Module names or a regex to leave untouched.
-        target_parameters (`list[str] | None`): Parameters adapted by name, as LoRA's: MoE experts' 3-D weights
-            (e.g. 'experts.gate_up_proj'), k per neuron of each expert. None with target_modules None: the model's
-            expert projections.
-        layers_to_transform (`list[int] | int | None`): Layer indices to adapt (all when None).
-        layers_pattern (`list[str] | str | None`): The name of the model's list of layers, with layers_to_transform.
-        selection (`str`): How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
-        selection_seed (`int`): Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
-        neuron_fraction (`float`): Share of each layer's neurons that is tuned (the paper's coverage ablation).
-        fan_in_fan_out (`bool`): True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
-        init_weights (`bool`): Zero deltas, so the model starts as its base; False: random ones, for tests.
-        bias (`str`): Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
-        delta_dtype (`str | None`): 'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's
-            `autocast_adapter_dtype`.
-        modules_to_save (`list[str] | None`): Extra modules trained fully and saved with the adapter.
+        k (`int`, *optional*, defaults to `1`):
+            Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
+        target_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names, a regex or 'all-linear'. None: the architecture's default projections (attention q/k/v/o,
+            MLP gate/up/down); an architecture without defaults must name them.
+        exclude_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names or a regex to leave untouched.
+        target_parameters (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Parameters adapted by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), k per
+            neuron of each expert. None with target_modules None: the model's expert projections.
+        layers_to_transform (`Optional[Union[list[int], int]]`, *optional*, defaults to `None`):
+            Layer indices to adapt (all when None).
+        layers_pattern (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            The name of the model's list of layers, with layers_to_transform.
+        selection (`str`, *optional*, defaults to `"magnitude"`):
+            How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
+        selection_seed (`int`, *optional*, defaults to `0`):
+            Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
+        neuron_fraction (`float`, *optional*, defaults to `1.0`):
+            Share of each layer's neurons that is tuned (the paper's coverage ablation).
+        fan_in_fan_out (`bool`, *optional*, defaults to `False`):
+            True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
+        init_weights (`bool`, *optional*, defaults to `True`):
+            Zero deltas, so the model starts as its base; False: random ones, for tests.
+        bias (`str`, *optional*, defaults to `"none"`):
+            Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
+        delta_dtype (`Optional[str]`, *optional*, defaults to `None`):
+            'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's `autocast_adapter_dtype`.
+        modules_to_save (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Extra modules trained fully and saved with the adapter.
     """
 
     k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")

@@ -44,7 +44,20 @@ class MixedBatch(NamedTuple):
 
 
 class NeuroAdaModel(BaseTuner):
-    """Creates a NeuroAda model from a pretrained transformers model.
+    """Creates a NeuroAda model from a pretrained transformers model: each neuron (output row) of the targeted linear
+    layers gets `k` trainable deltas on its inputs of largest magnitude, selected once from the frozen weights. The
+    method is described in "NeuroAda: Activating Each Neuron's Potential for Parameter-Efficient Fine-Tuning" (EMNLP
+    2025; code: https://github.com/FightingFighting/NeuroAda).
+
+    Args:
+        model ([`torch.nn.Module`]): The model to be adapted.
+        config ([`NeuroAdaConfig`]): The configuration of the NeuroAda model.
+        adapter_name (`str`): The name of the adapter, defaults to `"default"`.
+        low_cpu_mem_usage (`bool`, `optional`, defaults to `False`):
+            Create empty adapter weights on meta device. Useful to speed up the loading process.
+
+    Returns:
+        `torch.nn.Module`: The NeuroAda model.
 
     Example:
         ```py
