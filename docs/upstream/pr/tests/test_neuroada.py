@@ -39,14 +39,13 @@ def neuroada_mlp(base: nn.Module | None = None, **config_kwargs):
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model's own parameters (no adapter's) as they are now, named as before any adapter was added."""
-    return {
-        name.replace(".base_layer", "")
-        .replace(".parametrizations.", ".")
-        .removesuffix(".original"): param.detach().cpu().clone()
-        for name, param in model.named_parameters()
-        if "neuroada_" not in name
-    }
+    """A model's own parameters (no adapter's) as they are now, on the CPU, named as before any adapter was added."""
+    own = {}
+    for name, param in model.named_parameters():
+        if "neuroada_" not in name:
+            key = name.replace(".base_layer", "").replace(".parametrizations.", ".").removesuffix(".original")
+            own[key] = param.detach().cpu().clone()
+    return own
 
 
 def bit_equal(tensors: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> bool:
