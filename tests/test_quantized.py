@@ -179,6 +179,21 @@ def test_selection_of_a_share_of_neurons_reads_their_dequantized_rows(tiny_dir) 
         assert torch.equal(layer.placement("default").cols, expected), name
 
 
+@EACH_QUANTIZATION
+def test_peft_s_layer_status_and_the_repr_name_each_adapted_layers_quantization_backend(tiny_dir, quantization):
+    """The layers hold peft's backend as `quantization_backend`, as LoRA's and SHiRA's do, and read and write the
+    quantized weight through it."""
+    peft_model = get_peft_model(load(tiny_dir, quantization), NeuroAdaConfig(k=2))
+    layers = named_neuroada_layers(peft_model)
+    names = {layer.quantization_backend.backend_name for layer in layers.values()}
+    assert len(names) == 1 and None not in names
+    (name,) = names
+    statuses = peft_model.get_layer_status()
+    assert {status.quantization_backend for status in statuses} == {name} and len(statuses) == len(layers)
+    assert peft_model.get_model_status().quantization_backend == name
+    assert f"quantization_backend='{name}'" in repr(next(iter(layers.values())))
+
+
 @EACH_DEVICE
 @EACH_QUANTIZATION
 def test_training_changes_outputs_and_never_writes_quantized_storage(tiny_dir, quantization, token_batch, device):

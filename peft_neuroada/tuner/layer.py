@@ -16,7 +16,7 @@ import torch
 from accelerate.hooks import AlignDevicesHook
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
-from peft.utils import resolve_quantization_backend
+from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
@@ -66,8 +66,9 @@ def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
 
 
 class QuantizedWeight:
-    """A quantized base layer's weight through peft's quantization backend, seen as its dequantized (d_out, d_in)
-    float32 weight; merged by requantizing, unmerged by putting back the quantized weight the merge replaced."""
+    """A quantized base layer's weight through peft's quantization backend (the layer's `get_base_weight` and
+    `set_base_weight`), seen as its dequantized (d_out, d_in) float32 weight; merged by requantizing, unmerged by
+    putting back the quantized weight the merge replaced."""
 
     dtype = torch.float32
 
@@ -82,7 +83,7 @@ class QuantizedWeight:
 
     def dense(self) -> torch.Tensor:
         if self._whole is None:
-            weight = self.backend.get_base_weight(self.base)
+            weight = self.layer.get_base_weight()
             self._stored_dtype, self._whole = weight.dtype, weight.float().reshape(self.shape)
         return self._whole
 
@@ -107,7 +108,7 @@ class QuantizedWeight:
 
     def replace(self, weight: torch.Tensor) -> None:
         """Quantize `weight` (a `dense()` with the deltas added) again and install it."""
-        self.backend.set_base_weight(self.layer, weight.to(self._stored_dtype))
+        self.layer.set_base_weight(weight.to(self._stored_dtype))
 
 
 class NeuroAdaLayer(BaseTunerLayer):
@@ -131,6 +132,12 @@ class NeuroAdaLayer(BaseTunerLayer):
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
         self._quantized_originals: dict[str, Callable[[], None]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
+        # peft's backend for a quantized base, as `get_layer_status` and the repr name it (None: a float weight, or a
+        # torchao one without its config, which peft's backend refuses: `quantized` says so where it is needed)
+        try:
+            self.quantization_backend = self._resolved_backend()
+        except ValueError:
+            self.quantization_backend = None
         # Other modules holding this layer's base weight (kept up to date by NeuroAdaModel): never written in place.
         self.weight_shared_with: tuple[str, ...] = ()
         self._disable_adapters = False
@@ -173,10 +180,14 @@ class NeuroAdaLayer(BaseTunerLayer):
         placement, originals = self._merge_originals[name]
         return placement.copy(weight.device), originals.to(device=weight.device, dtype=weight.dtype)
 
+    def _resolved_backend(self) -> Any:
+        return resolve_quantization_backend(
+            self.get_base_layer(), get_apply_tensor_subclass=self.get_apply_tensor_subclass
+        )
+
     def quantized(self) -> QuantizedWeight | None:
         """The base layer seen as its dequantized weight (None for a plain float weight)."""
-        base, config = self.get_base_layer(), self.get_apply_tensor_subclass
-        backend = resolve_quantization_backend(base, get_apply_tensor_subclass=config)
+        backend = self.quantization_backend or self._resolved_backend()
         return None if backend is None else QuantizedWeight(self, backend)
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
@@ -423,6 +434,9 @@ class Linear(nn.Module, NeuroAdaLayer):
                 result = out.new_empty((len(x), *out.shape[1:]))
             result.index_copy_(0, index, out.to(result.dtype))
         return result
+
+    def extra_repr(self) -> str:
+        return quantization_extra_repr(self)
 
     def __repr__(self) -> str:
         return "neuroada." + super().__repr__()
