@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
@@ -25,7 +26,7 @@ from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
 from .tuner.config import FUSED_PROJECTIONS, LLAMA_STYLE_TARGETS
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer, unreadable_weight
-from .tuner.model import _pass_adapter_names, expert_projections
+from .tuner.model import expert_projections
 from .weighted_adapters import WeightedAdapters
 
 
@@ -131,7 +132,7 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
             return
         hooks = [
             module.register_forward_pre_hook(
-                partial(_pass_adapter_names, adapter_names=mixed.for_layer(module)), with_kwargs=True
+                partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
             )
             for module in self.model.modules()
             if isinstance(module, AuxiliaryTrainingWrapper)

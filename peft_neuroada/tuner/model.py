@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+from peft.tuners.lora.model import _adapter_names_pre_forward_hook, _get_encoder
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import get_quantization_kwargs, resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
@@ -215,7 +216,7 @@ class NeuroAdaModel(BaseTuner):
             return
         hooks = [
             module.register_forward_pre_hook(
-                partial(_pass_adapter_names, adapter_names=mixed.for_layer(module)), with_kwargs=True
+                partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
             )
             for module in self.model.modules()
             if isinstance(module, (NeuroAdaLayer, AuxiliaryTrainingWrapper))
@@ -270,20 +271,10 @@ def _parameters_without_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Par
             yield name.replace(".base_layer", "").replace(".parametrizations.", ".").removesuffix(".original"), param
 
 
-def _pass_adapter_names(module: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
-    return args, {**kwargs, "adapter_names": adapter_names}
-
-
 def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
     for name, layer in model.named_modules():
         if isinstance(layer, NeuroAdaLayer):
             check_layer_state(layer, state_dict, f"{prefix}{name}.")
-
-
-def _get_encoder(model: nn.Module) -> nn.Module | None:
-    """The encoder of an encoder-decoder model, None otherwise (transformers 5 returns the model itself then)."""
-    encoder = model.get_encoder() if hasattr(model, "get_encoder") else None
-    return None if encoder is model else encoder
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
