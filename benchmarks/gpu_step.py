@@ -9,7 +9,9 @@ train, at k=1 and k=20: the frozen layer, NeuroAda with each delta-gradient cand
 `sparse`, torch's sampled product, the CPU's; `triton`, the opt-in kernel), peft's LoRA at the rank of equal budget
 (its adapters in float32, peft's default on a bf16 base) and LoRA with bf16 adapters. `steps`: a whole training step
 (forward, backward, fused AdamW) of a random Llama-3.2-1B-shaped model in bf16, with its peak memory and how many
-times it made the host wait for the device (`torch.cuda.set_sync_debug_mode`).
+times it made the host wait for the device (`torch.cuda.set_sync_debug_mode`). `decoding`: a call without gradients
+at 1-128 tokens on the merged copy and on the bypass, which decides the bypass's threshold (`BYPASS_MAX_TOKENS`,
+measured on the CPU) on the device.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from transformers import LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.tuner import products
+from peft_neuroada.tuner import forward, products
 from peft_neuroada.tuner.layer import NeuroAdaLayer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +53,8 @@ SHAPES = {
 }
 TOKENS = 16384  # a batch of 8 x 2048 or 16 x 1024
 KS = (1, 20)
+# Calls without gradients (decoding: one token per sequence) that decide the bypass's threshold on the device.
+DECODE_SHAPES, DECODE_TOKENS = ("1b-up", "8b-up"), (1, 8, 32, 128)
 STEP_MODEL, STEP_BATCH, STEP_SEQ = "llama-1b-random", 8, 1024
 # Nominal H200 rates for the arithmetic (dense bf16 tensor-core FLOP/s, HBM and L2 bytes/s): bounds, not predictions.
 PEAK_FLOPS, PEAK_BYTES, L2_BYTES = 989e12, 4.8e12, 10e12
@@ -159,6 +163,29 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def time_decoding(shapes: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """A no-grad call of one adapted layer at few tokens, on the merged copy and on the bypass (the tuner's threshold,
+    `forward.BYPASS_MAX_TOKENS`, measured on the CPU, set to send every call one way): where the two cross."""
+    records, threshold = [], forward.BYPASS_MAX_TOKENS
+    for shape, (d_in, d_out) in shapes.items():
+        for k in KS:
+            model = layer_variants(d_in, d_out, k, device, dtype)["neuroada-gathered"][1]().eval()
+            for tokens in DECODE_TOKENS:
+                x = torch.randn(tokens, d_in, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+                for path, bypass_below in (("copy", 0), ("bypass", tokens)):
+                    forward.BYPASS_MAX_TOKENS = bypass_below
+                    try:
+                        with torch.no_grad():
+                            ms = timed_ms(lambda model=model, x=x: model(x), device, 3, repeats)
+                    finally:
+                        forward.BYPASS_MAX_TOKENS = threshold
+                    record = {"shape": shape, "d_in": d_in, "d_out": d_out, "k": k, "tokens": tokens, "path": path}
+                    records.append({**record, "ms": round(ms, 4)})
+            del model
+            _release(device)
+    return records
+
+
 def step_model(name: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """A random model of `name`'s config, made on the device (seconds, where the CPU would take a minute)."""
     torch.manual_seed(0)
@@ -244,6 +271,12 @@ def summary(report: dict) -> str:
                 ms = r["fwd_bwd_ms"]
                 lines.append(f"| {shape} | {k} | {name} | {ms:.3f} | {ms / base['frozen']:.2f} | "
                              f"{ms / base['lora-peft']:.2f} |")  # fmt: skip
+    lines += ["", "| shape | k | tokens | copy ms | bypass ms |", "|---|---|---|---|---|"]
+    decoding = {(r["shape"], r["k"], r["tokens"], r["path"]): r["ms"] for r in report.get("decoding", [])}
+    for shape, k, tokens, path in decoding:
+        if path == "copy":
+            bypass = decoding[(shape, k, tokens, "bypass")]
+            lines.append(f"| {shape} | {k} | {tokens} | {decoding[(shape, k, tokens, path)]:.3f} | {bypass:.3f} |")
     lines += ["", "| model | variant | trainable | step s | peak MiB | syncs |", "|---|---|---|---|---|---|"]
     for r in report["steps"]:
         lines.append(f"| {r['model']} | {r['variant']} | {r['trainable']:,} | {r['step_s']:.4f} | {r['peak_mib']} | "
@@ -334,16 +367,18 @@ def main() -> None:
         device, dtype, repeats = torch.device("cpu"), torch.float32, 1
         shapes = {name: (max(1, d_in // 128), d_out // 128) for name, (d_in, d_out) in SHAPES.items()}
         layers = time_layers(shapes, 24, device, dtype, repeats)
+        decoding = time_decoding({name: shapes[name] for name in DECODE_SHAPES}, device, dtype, repeats)
         steps = time_steps("tiny", 1, 16, device, dtype, repeats)
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run with --dry-run on the CPU")
         device, dtype, repeats = torch.device("cuda"), torch.bfloat16, args.repeats
         layers = time_layers(SHAPES, TOKENS, device, dtype, repeats)
+        decoding = time_decoding({name: SHAPES[name] for name in DECODE_SHAPES}, device, dtype, repeats)
         steps = time_steps(STEP_MODEL, STEP_BATCH, STEP_SEQ, device, dtype, max(2, repeats // 2))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
     report = {"device": name, "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-              "commit": args.commit or commit(), "layers": layers, "steps": steps}  # fmt: skip
+              "commit": args.commit or commit(), "layers": layers, "steps": steps, "decoding": decoding}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(summary(report))

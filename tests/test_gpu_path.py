@@ -178,6 +178,14 @@ def test_the_device_script_fills_the_step_file_in_its_cpu_dry_run(tmp_path: Path
     assert steps["frozen"]["trainable"] == 0 and steps["neuroada-k20"]["trainable"] > steps["neuroada-k1"]["trainable"]
     assert all(step["step_s"] > 0 for step in steps.values())
     assert "| 8b-up | 20 | neuroada (gathered) |" in completed.stdout
+    decoding = {(d["shape"], d["k"], d["tokens"], d["path"]) for d in report["decoding"]}
+    assert decoding == {
+        (shape, k, tokens, path)
+        for shape in gpu_step.DECODE_SHAPES
+        for k in (1, 20)
+        for tokens in gpu_step.DECODE_TOKENS
+        for path in ("copy", "bypass")
+    }
 
 
 def test_performance_md_carries_the_device_scripts_arithmetic_and_the_committed_step_files_tables() -> None:
