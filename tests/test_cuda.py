@@ -169,12 +169,14 @@ def test_a_training_step_of_neuroada_layers_never_waits_for_the_gpu(k):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_a_compiled_decoder_block_with_neuroada_layers_trains_like_eager_on_cuda(token_batch):
-    """torch.compile in its default mode (inductor) of a Llama decoder block with every projection adapted."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_compiled_decoder_block_with_neuroada_layers_trains_like_eager_on_cuda(dtype):
+    """torch.compile in its default mode (inductor) of a Llama decoder block with every projection adapted (in bf16
+    the deltas' gradient is the out_dtype GEMM, which inductor lowers)."""
     torch.manual_seed(0)
-    model = get_peft_model(tiny_llama().to("cuda"), NeuroAdaConfig(k=3, init_weights=False))
+    model = get_peft_model(tiny_llama().to("cuda", dtype), NeuroAdaConfig(k=3, init_weights=False))
     block = model.base_model.model.model.layers[0]
-    hidden = torch.randn(2, 12, model.config.hidden_size, device="cuda")
+    hidden = torch.randn(2, 12, model.config.hidden_size, device="cuda", dtype=dtype)
     position_ids = torch.arange(12, device="cuda")[None].expand(2, -1)
     rotary = model.base_model.model.model.rotary_emb(hidden, position_ids)
 
@@ -189,7 +191,8 @@ def test_a_compiled_decoder_block_with_neuroada_layers_trains_like_eager_on_cuda
 
     eager_out, eager_grads = run(block)
     compiled_out, compiled_grads = run(torch.compile(block))
-    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-4, atol=1e-5)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(compiled_out, eager_out, **tolerance)
     assert compiled_grads.keys() == eager_grads.keys() and compiled_grads
     for name, grad in eager_grads.items():
-        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(compiled_grads[name], grad, **tolerance, msg=name)

@@ -105,7 +105,8 @@ def gathered_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None
     tuned = grad2d if rows is None else grad2d.index_select(1, rows)
     half = x2d.dtype == tuned.dtype in (torch.float16, torch.bfloat16)
     with _no_autocast(x2d):
-        if half and x2d.device.type == "cuda" and _sparse_kernels_cover(x2d, tuned):  # eager: the out_dtype GEMM
+        # The out_dtype GEMM, eager or compiled (inductor lowers it); transforms take the float32 one.
+        if half and x2d.device.type == "cuda" and not (transformed(x2d) or transformed(tuned)):
             dense = torch.mm(tuned.T, x2d, out_dtype=torch.float32)
         else:
             dtype = _accumulating(x2d, tuned)
