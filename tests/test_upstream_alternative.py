@@ -7,6 +7,7 @@ Hub, which is not reachable here.)"""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from peft import get_peft_model
 
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.supertuning_format import to_supertuning
+from tests.conftest import tiny_llama
 from tests.test_peft_upstream_suite import without_the_plugin
 
 PATCH = Path(__file__).resolve().parents[1] / "docs" / "upstream" / "supertuning-neuron.patch"
@@ -74,3 +79,55 @@ def test_upstream_md_states_the_patchs_size():
     doc = " ".join((PATCH.parents[1] / "upstream.md").read_text().split())
     assert f"adapter | {len(added)} (built:" in doc
     assert f"{in_tuner} in the tuner, {len(added) - in_tuner} in tests" in doc
+
+
+CONVERSION = """
+import torch
+from peft import SupertuningConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.supertuning_format import from_supertuning, to_supertuning
+from tests.conftest import tiny_llama
+
+# 48 tokens, past the bypass's few-token threshold: NeuroAda's forward is its merged copy, one matmul as Super-Tuning's
+ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(0))
+for dtype in (torch.float32, torch.bfloat16):
+    torch.manual_seed(0)
+    neuroada = get_peft_model(tiny_llama().to(dtype), NeuroAdaConfig(k=2, init_weights=False)).eval()
+    fields, state = to_supertuning(neuroada)
+    supertuning = get_peft_model(tiny_llama().to(dtype), SupertuningConfig(**fields)).eval()
+    selected = get_peft_model_state_dict(supertuning)
+    same = [torch.equal(selected[key].sort()[0], state[key].sort()[0]) for key in state if key.endswith("indices")]
+    assert same and all(same), "its own selection picks the same entries"
+    set_peft_model_state_dict(supertuning, state)
+    with torch.no_grad():
+        assert torch.equal(supertuning(ids).logits, neuroada(ids).logits), dtype
+    back = from_supertuning(neuroada, get_peft_model_state_dict(supertuning))
+    saved = get_peft_model_state_dict(neuroada)
+    assert back.keys() == saved.keys() and all(torch.equal(back[key], saved[key]) for key in saved)
+print("exact")
+"""
+
+
+def test_a_neuroada_adapter_converts_to_the_per_neuron_mode_and_back_exactly(patched_release):
+    """On the patched peft: Super-Tuning's own per-neuron selection picks the adapter's entries on the same base, the
+    converted adapter gives the same logits bit for bit in float32 and bf16, and converting back gives its tensors."""
+    repo = PATCH.parents[2]
+    paths = os.pathsep.join([str(patched_release / "src"), str(repo)])
+    env = {**os.environ, "PYTHONPATH": paths, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", CONVERSION], capture_output=True, text=True, cwd=repo, env=env
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "exact", run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"neuron_fraction": 0.5}, r"at '.*q_proj': it tunes a share of the neurons"),
+        ({"bias": "all"}, "Super-Tuning trains no biases or extra modules"),
+    ],
+    ids=["some-neurons", "biases"],
+)
+def test_adapters_the_per_neuron_mode_cannot_hold_are_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        to_supertuning(get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, **config)))
