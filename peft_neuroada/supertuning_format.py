@@ -13,6 +13,7 @@ from torch import nn
 
 from .tuner.index_storage import BUFFER_DTYPE
 from .tuner.layer import Linear, NeuroAdaLayer
+from .tuner.placement import entry_index
 
 SUPERTUNING_KEYS = ("supertuning_values", "supertuning_indices")
 
@@ -44,10 +45,10 @@ def to_supertuning(model: nn.Module, adapter_name: str = "default") -> tuple[dic
     for name, layer in layers.items():
         if reason := _refusal(layer, adapter_name):
             raise ValueError(f"Cannot convert NeuroAda adapter '{adapter_name}' at '{name}': {reason}.")
-        cols, delta = layer.placement(adapter_name).cols.long(), layer.neuroada_delta[adapter_name].detach()
-        rows = torch.arange(cols.shape[0], device=cols.device)[:, None]
-        state[f"{name}.supertuning_indices"] = (rows * layer.in_features + cols).reshape(-1).to(BUFFER_DTYPE)
-        state[f"{name}.supertuning_values"] = delta.reshape(-1).float()
+        neurons, cols = entry_index(layer.weight_out_in(), layer.placement(adapter_name))
+        positions = neurons * layer.in_features + cols
+        state[f"{name}.supertuning_indices"] = positions.reshape(-1).to(BUFFER_DTYPE)
+        state[f"{name}.supertuning_values"] = layer.neuroada_delta[adapter_name].detach().reshape(-1).float()
     fields = {
         "target_modules": sorted({name.rpartition(".")[2] for name in layers}),
         "selection": "neuron",

@@ -72,6 +72,15 @@ def upstream_patch():
         sys.path.remove(benchmarks)
 
 
+@pytest.fixture(scope="session")
+def peft_release(upstream_patch) -> Path:
+    """The installed peft's source release (its tests ship there, not in the wheel), the tree the patches apply to."""
+    try:
+        return upstream_patch.default_release()
+    except FileNotFoundError as error:
+        pytest.skip(f"no source release of the installed peft: {error}")
+
+
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
     """`steps` Adam steps of language modelling on one token batch; returns the loss before each step."""
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)

@@ -100,32 +100,34 @@ CUSTOM_MODEL_CASES += ["Vanilla MLP 6 NeuroAda half the neurons", "Embedding + t
 
 
 @pytest.fixture(scope="module")
-def release(upstream_patch) -> Path:
-    try:
-        return upstream_patch.default_release()
-    except FileNotFoundError as error:
-        pytest.skip(f"no source release of the installed peft: {error}")
-
-
-@pytest.fixture(scope="module")
-def patched_tree(upstream_patch, release, tmp_path_factory) -> Path:
+def patched_tree(upstream_patch, peft_release, tmp_path_factory) -> Path:
     """A clean copy of the source release with the committed patch applied by `patch -p1`: every file section but
     the docs toctree's, whose file peft's source release does not ship."""
-    scratch = tmp_path_factory.mktemp("peft-tree")
-    with tarfile.open(release) as archive:
-        archive.extractall(scratch, filter="data")
-    root = scratch / release.name.removesuffix(".tar.gz")
+    root = extracted(peft_release, tmp_path_factory.mktemp("peft-tree"))
     sections = re.split(r"(?m)^(?=diff --git )", upstream_patch.PATCH.read_text())
     targets = {section: re.match(r"diff --git a/(\S+)", section)[1] for section in sections if section}
     absent = {path for section, path in targets.items() if "new file" not in section and not (root / path).exists()}
     assert absent == {upstream_patch.TOCTREE}
-    applied = "".join(section for section, path in targets.items() if path not in absent)
+    apply_patch(root, "".join(section for section, path in targets.items() if path not in absent))
+    return root
+
+
+def extracted(release: Path, scratch: Path) -> Path:
+    """A clean copy of the source release in `scratch`, its tests a package (peft's test modules import each other
+    relatively)."""
+    with tarfile.open(release) as archive:
+        archive.extractall(scratch, filter="data")
+    root = scratch / release.name.removesuffix(".tar.gz")
+    (root / "tests" / "__init__.py").touch()
+    return root
+
+
+def apply_patch(root: Path, text: str) -> None:
+    """Apply a `patch -p1` text to the tree at `root`, as a maintainer would, failing on any hunk that does not fit."""
     patched = subprocess.run(
-        ["patch", "-p1", "--batch", "--forward"], input=applied, text=True, capture_output=True, cwd=root
+        ["patch", "-p1", "--batch", "--forward"], input=text, text=True, capture_output=True, cwd=root
     )
     assert patched.returncode == 0, patched.stdout + patched.stderr
-    (root / "tests" / "__init__.py").touch()  # peft's test modules import each other relatively
-    return root
 
 
 def hub_cache(folder: Path) -> Path:
@@ -194,8 +196,8 @@ def ran(cases: list[ElementTree.Element], file: str, name_part: str = "") -> lis
     return [case for case in of_file(cases, file, name_part) if case.find("skipped") is None]
 
 
-def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upstream_patch, release):
-    built = upstream_patch.build_patch(release)
+def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upstream_patch, peft_release):
+    built = upstream_patch.build_patch(peft_release)
     assert upstream_patch.PATCH.read_text() == built, "stale: run `python benchmarks/upstream_patch.py`"
 
 

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from peft import get_peft_model
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.supertuning_format import to_supertuning
 from tests.conftest import tiny_llama
-from tests.test_peft_upstream_suite import without_the_plugin
+from tests.test_peft_upstream_suite import apply_patch, extracted, without_the_plugin
 
 PATCH = Path(__file__).resolve().parents[1] / "docs" / "upstream" / "supertuning-neuron.patch"
 RUNS = {
@@ -30,20 +29,9 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def patched_release(upstream_patch, tmp_path_factory) -> Path:
-    try:
-        release = upstream_patch.default_release()
-    except FileNotFoundError as error:
-        pytest.skip(f"no source release of the installed peft: {error}")
-    scratch = tmp_path_factory.mktemp("supertuning-neuron")
-    with tarfile.open(release) as archive:
-        archive.extractall(scratch, filter="data")
-    root = scratch / release.name.removesuffix(".tar.gz")
-    patched = subprocess.run(
-        ["patch", "-p1", "--batch", "--forward"], stdin=PATCH.open(), text=True, capture_output=True, cwd=root
-    )
-    assert patched.returncode == 0, patched.stdout + patched.stderr
-    (root / "tests" / "__init__.py").touch()
+def patched_release(peft_release, tmp_path_factory) -> Path:
+    root = extracted(peft_release, tmp_path_factory.mktemp("supertuning-neuron"))
+    apply_patch(root, PATCH.read_text())
     return root
 
 
