@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .tuner.experts import ParamWrapper
-from .tuner.index_storage import BUFFER_DTYPE
 from .tuner.layer import NeuroAdaLayer
+from .tuner.selection import INDEX_DTYPE as BUFFER_DTYPE
 from .tuner.selection import select_inputs
 
 Batch = dict[str, torch.Tensor]

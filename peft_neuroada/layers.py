@@ -10,19 +10,20 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.nn.modules.module as module_hooks
 from peft.tuners._buffer_dict import BufferDict
 
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
-from .tuner import experts, layer, products
-from .tuner.model import MixedBatch
+from .tuner import experts, forward, layer, products
+from .tuner.guards import placement_problem
+from .tuner.mixed_batch import MixedBatch
 from .tuner.placement import Placement
-from .tuner.state_checks import placement_problem
 from .weighted_adapters import WeightedLayer
 
 # The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
@@ -30,6 +31,21 @@ from .weighted_adapters import WeightedLayer
 # one never read the context variable.
 _MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
 _SERVING: list[object] = []
+# torch's registries of global module hooks (no public API tells whether one is registered): the copy path skips the
+# base layer's call, so it must know whether a global hook would have seen it.
+_GLOBAL_HOOKS = (
+    module_hooks._global_forward_hooks,
+    module_hooks._global_forward_pre_hooks,
+    module_hooks._global_backward_hooks,
+    module_hooks._global_backward_pre_hooks,
+)
+
+
+def copy_refusal(base: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
+    """The tuner's `copy_refusal`, and hooks registered for every module, which would see the base layer's call."""
+    return forward.copy_refusal(base, weight, x) or (
+        "global module hooks would see the base layer's call" if any(_GLOBAL_HOOKS) else None
+    )
 
 
 @contextmanager
@@ -58,6 +74,7 @@ class PluginLayer(WeightedLayer):
     """What the plugin adds to a tuner layer (mixed in before it)."""
 
     requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
+    copy_refusal = staticmethod(copy_refusal)
 
     def _select(self, adapter_name: str, config: Any, k: int) -> tuple[int, torch.dtype]:
         """'gradient' starts from the magnitude selection, until `select_by_gradient` re-selects."""
@@ -119,6 +136,15 @@ class Linear(PluginLayer, layer.Linear):
     def quantized(self) -> QuantizedLinear | None:
         """The base layer seen as its dequantized weight, read a block of rows at a time (None: a float weight)."""
         return quantized_linear(self.get_base_layer(), self.requantize_with)
+
+    def requantize_refusal(self, quantized: QuantizedLinear) -> str | None:
+        return quantized.merge_refusal()
+
+    def snapshot(self, quantized: QuantizedLinear) -> Callable[[], None]:
+        return quantized.snapshot()
+
+    def requantize(self, quantized: QuantizedLinear, weight: torch.Tensor) -> None:
+        quantized.replace(weight)
 
     def _select(self, adapter_name: str, config: Any, k: int) -> tuple[int, torch.dtype]:
         if self.quantized() is not None:

@@ -24,10 +24,14 @@ from .peft_compat import PeftCompat, without_wrapper_names
 from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
 from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
-from .tuner.config import FUSED_PROJECTIONS, LLAMA_STYLE_TARGETS
-from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer, unreadable_weight
-from .tuner.model import expert_projections
+from .tuner.config import LLAMA_STYLE_TARGETS
+from .tuner.experts import expert_projections
+from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
+from .tuner.quantized_merge import unreadable_weight
 from .weighted_adapters import WeightedAdapters
+
+# Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
+FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
@@ -61,7 +65,7 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         check_saved_deltas(config, [(without_wrapper_names(name), module) for name, module in targeted])
         unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted:
-            if isinstance(module, NeuroAdaLayer) and module.merged_into_quantized_weight():
+            if getattr(module, "merged_into_quantized_weight", bool)():
                 raise ValueError(
                     f"Cannot add a NeuroAda adapter to '{name}' while adapters are merged into its quantized weight: "
                     "its inputs are selected on the base weights, which the merge requantized. Unmerge first "

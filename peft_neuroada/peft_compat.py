@@ -18,8 +18,8 @@ from torch import nn
 
 from . import safe_io
 from .tuner.experts import ParamWrapper
+from .tuner.guards import SAVED_TENSORS
 from .tuner.layer import NeuroAdaLayer
-from .tuner.state_checks import SAVED_TENSORS
 
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: part of module names, not of
 # state-dict keys (the wrappers' state-dict hooks drop them).

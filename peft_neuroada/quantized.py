@@ -12,7 +12,7 @@ import torch
 from peft.utils.quantization_utils import Bnb4bitBackend, Bnb8bitBackend, QuantizationBackend, TorchaoBackend
 from torch import nn
 
-from .tuner.layer import FULL_PRECISION_HINT
+from .tuner.quantized_merge import FULL_PRECISION_HINT
 from .tuner.selection import rows_per_block
 
 # Quantized linear layers NeuroAda cannot read, by the package that defines them.

@@ -9,8 +9,16 @@ from peft.tuners.tuners_utils import _maybe_include_all_linear_layers, check_tar
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .tuner.config import NeuroAdaConfig, default_targets
-from .tuner.model import _parameters_without_wrappers, expert_projections
+from .tuner.config import TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
+from .tuner.experts import expert_projections, parameters_without_wrappers
+
+
+def default_targets(model_type: str | None) -> set[str]:
+    """The modules adapted when `target_modules` is None: the architecture's entry of the tuner's mapping, or
+    BaseTuner's refusal for one it does not know."""
+    if model_type not in TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING:
+        raise ValueError("Please specify `target_modules` in `peft_config`")
+    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING[model_type])
 
 
 def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str, nn.Module]]:
@@ -36,7 +44,7 @@ def targeted_parameters(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[
     }
     return [
         (name, param)
-        for name, param in _parameters_without_wrappers(model)
+        for name, param in parameters_without_wrappers(model)
         if name in targets
         or (name.rpartition(".")[0] not in parametrized and any(name.endswith(f".{target}") for target in targets))
     ]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.tuner import products
-from peft_neuroada.tuner.index_storage import saved_columns
+from peft_neuroada.tuner.guards import saved_columns
 from tests.conftest import indices_by_layer, logits, tiny_llama
 
 

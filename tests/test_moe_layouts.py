@@ -16,8 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.budget import neuroada_parameter_count, targeted_shapes
-from peft_neuroada.tuner.experts import ParamWrapper
-from peft_neuroada.tuner.model import expert_projections
+from peft_neuroada.tuner.experts import ParamWrapper, expert_projections
 from tests.conftest import tiny_gpt2
 
 K = 3

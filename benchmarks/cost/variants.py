@@ -31,8 +31,8 @@ from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
 from peft_neuroada.tuner import products
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
+from peft_neuroada.tuner.experts import expert_projections
 from peft_neuroada.tuner.layer import NeuroAdaLayer
-from peft_neuroada.tuner.model import expert_projections
 from peft_neuroada.tuner.selection import select_inputs
 
 # The budget: NeuroAda with k=20 sets the parameter budget LoRA and SHiRA are matched to.

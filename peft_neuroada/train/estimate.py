@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from ..budget import lora_rank_for_k, neuroada_parameter_count, targeted_shapes
 from ..targets import targeted_modules, targeted_parameters
 from ..tuner.config import DTYPES, NeuroAdaConfig
-from ..tuner.index_storage import BUFFER_DTYPE
+from ..tuner.selection import INDEX_DTYPE as BUFFER_DTYPE
 
 METHODS = ("neuroada", "lora", "mask", "full", "frozen")  # cli.ESTIMATE_METHODS spells them out too
 DEVICES = ("cuda", "cpu")  # where AdamW steps: torch's default implementation differs (Estimator.adamw)

@@ -14,10 +14,8 @@ from .selection import STRATEGIES
 
 # The paper's projections (attention q/k/v/o, MLP gate/up/down) under the names transformers 5 gives them.
 LLAMA_STYLE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
-FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Defaults for `target_modules=None`, as peft's TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING tables (transformers
-# 5 names). MoE models keep attention and any dense or shared-expert MLP here; their experts are parameters (below).
+# 5 names). MoE models keep attention and any dense or shared-expert MLP here; their experts are parameters.
 TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
     **dict.fromkeys(
         "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text olmo2 mixtral qwen2_moe qwen3_moe gpt_oss olmoe "
@@ -33,18 +31,6 @@ TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     **dict.fromkeys(("bert", "roberta"), ["query", "key", "value", "dense"]),
 }
-# MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
-EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def default_targets(model_type: str | None) -> set[str]:
-    """The modules adapted when `target_modules` is None: the architecture's entry of the mapping, or BaseTuner's
-    refusal for one it does not know."""
-    if model_type not in TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING:
-        raise ValueError("Please specify `target_modules` in `peft_config`")
-    return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING[model_type])
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one dtype table
 METHOD_NAME = "neuroada"  # peft's name for the method
 PREFIX = "neuroada_"  # of every adapter attribute and state-dict key it owns

@@ -5,6 +5,7 @@ The stack is E * d_out neurons over d_in inputs (neuron `e * d_out + i` is row i
 deltas. The experts' own forward (an eager loop, grouped_mm, ...) cannot be replaced, so it runs on `W + P ⊙ Θ`, one
 transient copy per forward through torch's parametrization (as LoRA's `ParamWrapper` makes `W + B A`), whose dense
 gradient `_AddedAtPlacements` samples at the placements. Merge and unmerge write the entries, bit for bit.
+`ExpertsModel` wraps them in (mixed in before the tuner's model), and adapts the model's expert projections by default.
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torch.nn.utils import parametrize
 
 from . import products
-from .config import NeuroAdaConfig
+from .config import PREFIX, NeuroAdaConfig
 from .forward import merged_copy
+from .guards import GuardedLayer
 from .layer import NeuroAdaLayer
 from .placement import Placement, entry_index, write_placed_
 
-MIXED_BATCH_REFUSAL = (
-    "NeuroAda target_parameters (expert weights) do not serve mixed batches (`adapter_names`), as peft's LoRA "
-    "ParamWrapper does not: run one adapter per call, or merge it."
-)
+# MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
+EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # How a weight is held where the module carries no `is_transposed` flag of its own (transformers' experts classes made
@@ -69,7 +70,7 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
     )
 
 
-class ParamWrapper(nn.Module, NeuroAdaLayer):
+class ParamWrapper(GuardedLayer, nn.Module, NeuroAdaLayer):
     """NeuroAda on one parameter (`parameter_name`) of `base_layer`, a 3-D expert stack or a 2-D weight. Named as
     LoRA's: peft finds a parameter's wrapper by this class name. Several parameters of a module nest one each."""
 
@@ -136,8 +137,6 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         return tensor.transpose(-2, -1) if self._transposed() else tensor
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.pop("adapter_names", None) is not None:
-            raise ValueError(MIXED_BATCH_REFUSAL)
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
@@ -145,7 +144,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         active = [name for name in self.active_adapters if name in self.neuroada_delta]
         if self.merged or not active:
             return self.base_layer(x, *args, **kwargs)
-        if self.offloaded_containers() or self.get_param().is_meta:
+        if self.get_param().is_meta or any(self.neuroada_delta[name].is_meta for name in active):
             raise ValueError(
                 f"NeuroAda expert weights ('{self.layer_name}') cannot run offloaded by accelerate (cpu_offload, "
                 "disk_offload, a device_map with offloaded modules): their deltas are added to the experts' "
@@ -209,3 +208,59 @@ class _AddedAtPlacements(torch.autograd.Function):
         needed = zip(ctx.placements, ctx.delta_dtypes, ctx.needs_input_grad[2:], strict=True)
         grads = [grad[entry_index(grad, placement)].to(dtype) if need else None for placement, dtype, need in needed]
         return grad if ctx.needs_input_grad[0] else None, None, *grads
+
+
+class ExpertsModel:
+    """`target_parameters` for a NeuroAda model (mixed in before it): expert stacks get a `ParamWrapper`, and the
+    default targets take in the model's expert projections."""
+
+    def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
+        """peft's defaults (the architecture's projections), and the model's expert projections."""
+        defaulted = peft_config.target_modules is None
+        peft_config = super()._prepare_adapter_config(peft_config, model_config)
+        if defaulted and peft_config.target_parameters is None:
+            peft_config.target_parameters = sorted({short for short, _ in expert_projections(self.model)}) or None
+        return peft_config
+
+    def _check_new_adapter_config(self, config: NeuroAdaConfig) -> None:
+        """As LoRA's: adapters with target_parameters target the same ones (the saved keys encode the nesting)."""
+        super()._check_new_adapter_config(config)
+        for name, other in self.peft_config.items():
+            if other is not config and other.target_parameters and config.target_parameters:
+                if set(other.target_parameters) != set(config.target_parameters):
+                    raise ValueError(
+                        "NeuroAda adapters with target_parameters must all target the same parameters, but the new "
+                        f"adapter targets {sorted(config.target_parameters)} and adapter '{name}' "
+                        f"{sorted(other.target_parameters)}. Give it the same target_parameters."
+                    )
+
+    @classmethod
+    def _create_new_module(
+        cls,
+        config: NeuroAdaConfig,
+        adapter_name: str,
+        target: nn.Module,
+        current_key: str,
+        tuner: BaseTuner,
+        parameter_name: str | None = None,
+    ) -> NeuroAdaLayer:
+        if parameter_name is not None:
+            return ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
+        return super()._create_new_module(config, adapter_name, target, current_key, tuner)
+
+
+def expert_projections(model: nn.Module) -> list[tuple[str, str]]:
+    """The model's MoE expert weights that are projections of the paper's set: (e.g. 'experts.gate_up_proj', full
+    name) for every 3-D parameter named in EXPERT_PROJECTIONS."""
+    return [
+        (".".join(name.split(".")[-2:]), name)
+        for name, param in parameters_without_wrappers(model)
+        if param.dim() == 3 and name.rpartition(".")[2] in EXPERT_PROJECTIONS
+    ]
+
+
+def parameters_without_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The model's parameters, named as in the model before any NeuroAda layer wrapped them."""
+    for name, param in model.named_parameters():
+        if PREFIX not in name:
+            yield name.replace(".base_layer", "").replace(".parametrizations.", ".").removesuffix(".original"), param

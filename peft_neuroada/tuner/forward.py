@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-import torch.nn.modules.module as module_hooks
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -24,19 +23,13 @@ from .placement import Placement, entry_index
 
 # The delta gradient's product: (x2d, grad2d, cols, rows) -> (n, k), at least float32 (`products.sampled_grad`'s).
 SampledGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# Why the merged copy cannot stand in for a call: (base, weight, x) -> reason or None (`copy_refusal`'s).
+CopyRefusal = Callable[[nn.Module, torch.Tensor, torch.Tensor], str | None]
 # Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
 BYPASS_MAX_TOKENS = 32
 FEW_TOKENS = "few tokens without gradients: the bypass costs less than a copy of the weight"
 _LINEAR_MODULES = (nn.Linear, Conv1D)
 _PLAIN_WEIGHT_TYPES = (nn.Parameter, torch.Tensor)
-# torch's registries of global module hooks, the one private torch name the tuner reads (no public API tells): the copy
-# path skips the base layer's call, so it must know whether a global hook would have seen it.
-_GLOBAL_HOOKS = (
-    module_hooks._global_forward_hooks,
-    module_hooks._global_forward_pre_hooks,
-    module_hooks._global_backward_hooks,
-    module_hooks._global_backward_pre_hooks,
-)
 
 
 def _weight_problem(base: nn.Module, weight: torch.Tensor) -> str | None:
@@ -62,8 +55,8 @@ def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str
     """Why the copy cannot stand in for this call of a base layer that computes with `weight` (None: it can)."""
     if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
         return "the base layer has hooks"
-    if "_hf_hook" in vars(base) or any(_GLOBAL_HOOKS):
-        return "module hooks would see the base layer's call"
+    if "forward" in vars(base):
+        return "the base layer's forward is wrapped (accelerate's hooks wrap it so)"
     device = weight.device.type
     if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device).itemsize < weight.element_size():
         return "autocast runs the matmul in a narrower dtype, which would round small deltas away"
@@ -210,13 +203,15 @@ def adapted_linear(
     placements: Sequence[Placement],
     deltas: Sequence[torch.Tensor],
     sampled_grad: SampledGrad,
+    copy_refusal: CopyRefusal,
     *args,
     **kwargs,
 ) -> torch.Tensor:
     """`base(x, *args, **kwargs) + Σ (P ⊙ Θ) x`, on the merged copy where it can stand in, else on the bypass.
-    `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient."""
+    `weight` is the base layer's weight as a (d_out, d_in) view; `sampled_grad` computes the deltas' gradient,
+    `copy_refusal` says why the copy cannot stand in (`copy_refusal` below, or one that refuses more)."""
     problem = _weight_problem(base, weight)
-    refusal = problem or ("extra arguments for the base layer" if args or kwargs else _call_refusal(base, weight, x))
+    refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
     # Plain torch operations without gradients, under forward-mode AD or a torch.func transform (module docstring).
     tensors = (x, weight, *deltas) if base.bias is None else (x, weight, base.bias, *deltas)
     functions = torch.is_grad_enabled() and not any(map(products.transformed, tensors))

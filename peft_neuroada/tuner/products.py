@@ -12,8 +12,6 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .index_storage import index_range
-
 COLUMN_LOOP_MAX_K = 4  # above, one sparse kernel beats k passes of gathers (measured on the CPU)
 # Up to this many (token, delta) pairs the forward gathers the inputs it reads instead of building a sparse matrix.
 GATHER_MAX_ENTRIES = 1 << 16
@@ -27,7 +25,7 @@ def _check_bounds(cols: Tensor, rows: Tensor | None, d_in: int, d_out: int) -> N
     for name, index, limit in (("cols", cols, d_in), ("rows", rows, d_out)):
         if index is None or not index.numel():
             continue
-        low, high = index_range(index)
+        low, high = torch.stack(index.aminmax()).tolist()
         if low < 0 or high >= limit:
             raise IndexError(f"NeuroAda sparse product: {name} has an index outside [0, {limit})")
 

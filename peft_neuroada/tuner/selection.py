@@ -10,7 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
-# A dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (index_storage.py).
+# How a layer keeps its selected columns, one (n, k) tensor per adapter, saved as held (as Super-Tuning keeps its
+# indices): a dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (int16 is not).
 INDEX_DTYPE = torch.int32
 # Per strategy: the score whose k largest entries per row are selected.
 _SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {

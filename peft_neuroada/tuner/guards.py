@@ -1,0 +1,330 @@
+"""Guards on the tensors that enter a layer from outside (peft's adapter loading, any `load_state_dict`, a merge of
+indices written since, a cast of the buffers) and on merges into a weight other modules hold: deltas that land on other
+entries than they were trained on would change the model without a word, and a merge would write other neurons' (or
+modules') weights. Each check runs before anything of its input is loaded or written. `GuardedLayer` and `GuardedModel`
+add them to the tuner's layers and model.
+
+Adapters saved before 2026-12-05 hold int16 columns packed in pairs into a flat int32 tensor (the first column of a
+pair in the low half); `saved_columns` reads them, and (n, k) columns of any integer dtype, on any host.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import check_adapters_to_merge
+from torch import nn
+
+from .placement import Placement
+from .selection import INDEX_DTYPE as BUFFER_DTYPE
+from .selection import STRATEGIES
+
+# What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
+INDEX_TENSORS = ("neuroada_indices", "neuroada_rows")
+SAVED_TENSORS = ("neuroada_delta", *INDEX_TENSORS)
+ANOTHER_BASE = "it was trained on another base model, or its file is damaged or was edited"
+
+
+def index_range(indices: torch.Tensor) -> tuple[int, int]:
+    """The smallest and largest of non-empty `indices`, as Python ints."""
+    low, high = torch.stack(indices.aminmax()).tolist()
+    return low, high
+
+
+def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The (n, k) columns a saved index tensor holds: (n, k) columns, or an older adapter's packed pairs."""
+    n, k = shape
+    if saved.dim() == 2:
+        if tuple(saved.shape) != (n, k):
+            raise ValueError(f"holds columns of shape {tuple(saved.shape)}, not {(n, k)}")
+        return saved
+    if saved.dim() != 1 or saved.dtype not in (BUFFER_DTYPE, torch.int64) or saved.numel() != (n * k + 1) // 2:
+        raise ValueError(
+            f"is a {saved.dtype} tensor of shape {tuple(saved.shape)}, not {(n * k + 1) // 2} int32 pairs of columns "
+            f"for {(n, k)}"
+        )
+    pairs = saved.long()
+    return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
+
+
+def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices") -> str | None:
+    """What makes `indices` ((n, k) columns or (n,) rows) differ from selection's (integers in [0, bound), none twice
+    in a row), or None."""
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        return f"have dtype {indices.dtype}, not integer"
+    if indices.is_meta or not indices.numel():
+        return None
+    low, high = index_range(indices)
+    if low < 0 or high >= bound:
+        what = "inputs" if attribute == "neuroada_indices" else "outputs"
+        return f"range over [{low}, {high}] but the layer has only {bound} {what}"
+    if indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
+    return None
+
+
+def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) -> str | None:
+    """How `buffer` differs from an (n, k) int32 column buffer for deltas of `shape`, or None."""
+    if buffer.dtype != BUFFER_DTYPE or tuple(buffer.shape) != tuple(shape):
+        held = f"is a {buffer.dtype} tensor of shape {tuple(buffer.shape)}"
+        return f"{held}, where int32 columns of shape {tuple(shape)} belong"
+    return None
+
+
+def placement_problem(layer, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None) -> str | None:
+    """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of `shape`
+    in `layer` ("its neuroada_indices ..."), or None."""
+    if buffer is not None:
+        if problem := buffer_problem(buffer, shape) or index_problem(buffer, layer.in_features):
+            return f"its neuroada_indices {problem}"
+    if rows is not None:
+        problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
+        if problem := problem or index_problem(rows, layer.out_features, "neuroada_rows"):
+            return f"its neuroada_rows {problem}"
+    return None
+
+
+def check_saved_tensors(layer, name: str, adapter: str, state_dict: dict[str, torch.Tensor]) -> bool:
+    """Validate a layer's tensors in a saved adapter's `state_dict` (keys `{name}.{attribute}.{adapter}`) as peft
+    loads it, and turn saved index tensors (any layout `saved_columns` reads) into the layer's buffers, in place.
+    Returns whether the saved columns look chosen on another base: on sampled rows, less than half of them are among
+    the columns this layer just selected on its own base (quantizing a base moves a few, another base nearly all)."""
+    chosen_elsewhere = False
+    bounds = {"neuroada_indices": layer.in_features, "neuroada_rows": layer.out_features}
+    if f"{name}.neuroada_delta.{adapter}" in state_dict:
+        for attribute in bounds:
+            if adapter in getattr(layer, attribute) and f"{name}.{attribute}.{adapter}" not in state_dict:
+                raise ValueError(
+                    f"The NeuroAda adapter holds deltas but no {attribute} for layer '{name}': the deltas would "
+                    "land on entries chosen again here, not the trained ones. The file is damaged or incomplete; "
+                    "save the adapter again from the model it was trained in."
+                )
+    fits = f"this layer ({layer.out_features} outputs, {layer.in_features} inputs) needs"
+    for attribute in SAVED_TENSORS:
+        key = f"{name}.{attribute}.{adapter}"
+        if key not in state_dict or adapter not in getattr(layer, attribute):
+            continue
+        saved, expected = state_dict[key], getattr(layer, attribute)[adapter]
+        if attribute == "neuroada_indices":
+            expected = layer.placement(adapter).cols
+            try:
+                saved = saved_columns(saved, tuple(expected.shape))
+            except ValueError as error:
+                raise ValueError(
+                    f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} {error} "
+                    f"that {fits} for this config. Load the adapter on the base model it was trained on."
+                ) from None
+        if saved.shape != expected.shape:
+            _refuse_shape(name, attribute, saved, expected, fits, layer.in_features)
+        if attribute in bounds:
+            if problem := index_problem(saved, bounds[attribute], attribute):
+                raise ValueError(
+                    f"The NeuroAda adapter's {attribute} for layer '{name}' {problem}: {ANOTHER_BASE}. Load it on the "
+                    "base model it was trained on, or save it again from the model it was trained in."
+                )
+            saved = saved.to(BUFFER_DTYPE)
+            if attribute == "neuroada_indices":
+                chosen_elsewhere = _shared_share(saved, expected) < 0.5
+            state_dict[key] = saved
+    return chosen_elsewhere
+
+
+def _shared_share(saved: torch.Tensor, selected: torch.Tensor, sampled_rows: int = 64) -> float:
+    """The share of saved columns that are among the selected ones, on up to `sampled_rows` rows spread evenly."""
+    rows = torch.linspace(0, len(saved) - 1, min(len(saved), sampled_rows)).long()
+    saved, selected = saved[rows].to(selected.device, torch.long), selected[rows].long()
+    return (saved[:, :, None] == selected[:, None, :]).any(-1).float().mean().item()
+
+
+def _refuse_shape(name: str, attribute: str, saved, expected, fits: str, d_in: int) -> None:
+    """Saved deltas with this layer's neurons but another k it could hold: the config's k disagrees with the file
+    (unless k was cut to a smaller layer's inputs where it was trained); else the base model differs."""
+    if attribute == "neuroada_delta" and saved.dim() == expected.dim() == 2:
+        if saved.shape[0] == expected.shape[0] and saved.shape[1] <= d_in:
+            raise ValueError(
+                f"The NeuroAda adapter's tensors do not match its config at layer '{name}': its {attribute} holds "
+                f"{saved.shape[1]} per neuron, but the config's k gives {expected.shape[1]}. They come from an "
+                "adapter with another k (for a saved adapter: its config and weights files do not belong together; "
+                "save it again from the model it was trained in), or from one trained on a base model with fewer "
+                "inputs here."
+            )
+    raise ValueError(
+        f"The NeuroAda adapter does not fit the base model at layer '{name}': its {attribute} has shape "
+        f"{tuple(saved.shape)}, but {fits} {tuple(expected.shape)} for this config. Load the adapter on the base "
+        "model it was trained on."
+    )
+
+
+def check_layer_state(layer, state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+    """Refuse a state dict (any `load_state_dict`; keys `{prefix}{attribute}.{adapter}`) that would copy invalid
+    indices into a layer's index buffers, or change a merged adapter's tensors (the merged weights would go on
+    serving the old values). A layer's load pre-hook, and its model's for all layers before any loads."""
+    name = prefix.removesuffix(".") or layer.layer_name
+    for adapter in layer.neuroada_delta:
+        shape = layer.neuroada_delta[adapter].shape
+        loaded = {attribute: state_dict.get(f"{prefix}{attribute}.{adapter}") for attribute in SAVED_TENSORS}
+        if problem := placement_problem(layer, shape, loaded["neuroada_indices"], loaded["neuroada_rows"]):
+            raise ValueError(
+                f"Refusing to load adapter '{adapter}' at layer '{name}': {problem}. Nothing was loaded. The state "
+                "dict does not hold this adapter as saved from this model (damaged, edited, or from another adapter "
+                "or base model): load a checkpoint of this model, or load the adapter from its saved files."
+            )
+        if adapter in layer.merged_adapters and any(
+            tensor is not None and not _same_values(tensor, getattr(layer, attribute)[adapter])
+            for attribute, tensor in loaded.items()
+            if adapter in getattr(layer, attribute)
+        ):
+            raise ValueError(
+                f"Cannot load new values into adapter '{adapter}' (layer '{name}'): it is merged into the base "
+                "weights, which would keep serving its old values. Unmerge it first (`model.unmerge_adapter()`), "
+                "load, then merge again if you want it merged."
+            )
+
+
+def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
+    if loaded.shape != current.shape or loaded.is_meta:
+        return False
+    return torch.equal(loaded.to(device=current.device, dtype=current.dtype), current.detach())
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """Tensors with equal keys share memory (for tensors without plain storage: only the tensor itself)."""
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        pointer = 0
+    return (tensor.device, pointer) if pointer else ("object", id(tensor))
+
+
+def mark_shared_weights(model: nn.Module, layer_cls: type) -> None:
+    """Record on every NeuroAda layer (`layer_cls`) which other modules hold its base weight (the same tensor, or
+    its memory)."""
+    holders: dict[tuple, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        own = itertools.chain(
+            module.named_parameters(recurse=False, remove_duplicate=False),
+            module.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        for _, tensor in own:
+            if tensor is not None:
+                holders.setdefault(_storage_key(tensor), []).append((name, module))
+    for module in model.modules():
+        if isinstance(module, layer_cls):
+            base = module.get_base_layer()
+            held = holders.get(_storage_key(module.weight_out_in()), [])
+            module.weight_shared_with = tuple(sorted({name for name, holder in held if holder is not base}))
+
+
+class GuardedLayer:
+    """A NeuroAda layer's guards (mixed in before it): indices checked as any `load_state_dict` brings them and
+    before a merge writes at them, buffers that were cast refused, and no merge into a weight other modules hold."""
+
+    # Other modules holding this layer's base weight (kept up to date by GuardedModel): never written in place.
+    weight_shared_with: tuple[str, ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(check_layer_state)  # indices loaded into this layer alone
+
+    def placement(self, adapter_name: str) -> Placement:
+        """The tuner's, refusing index buffers that were cast (e.g. by `model.type(...)`): they may no longer hold
+        the exact columns, and this costs nothing to see."""
+        buffer = self.neuroada_indices[adapter_name]
+        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
+        if buffer.dtype != BUFFER_DTYPE or (rows is not None and rows.dtype != BUFFER_DTYPE):
+            raise ValueError(
+                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its index buffers were "
+                f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and may read as other columns. Nothing "
+                "was computed: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter)."
+            )
+        return super().placement(adapter_name)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """The tuner's, after checking the indices of every adapter it merges (written since they were loaded?)."""
+        for name in [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]:
+            rows = self.neuroada_rows[name] if name in self.neuroada_rows else None
+            shape = self.neuroada_delta[name].shape
+            if problem := placement_problem(self, shape, self.neuroada_indices[name], rows):
+                raise ValueError(
+                    f"Cannot merge NeuroAda adapter '{name}' into '{self.layer_name}': {problem}, so it would write "
+                    "other weight entries. Nothing was written: load the adapter again from its saved files."
+                )
+        super().merge(safe_merge, adapter_names)
+
+    def check_mergeable(self) -> None:
+        """The tuner's, then refuse a weight other modules hold (a merge would change them too)."""
+        super().check_mergeable()
+        if self.weight_shared_with:
+            raise ValueError(
+                f"Cannot merge NeuroAda deltas into the weight of '{self.layer_name or 'this layer'}': it is shared "
+                f"with {', '.join(self.weight_shared_with)}, and merging would change those modules too. Give the "
+                "layer its own copy of the weight first, e.g. "
+                "`layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone(), "
+                "requires_grad=False)` (a frozen copy), or keep the adapter unmerged."
+            )
+
+
+class GuardedModel:
+    """A NeuroAda model's guards (mixed in before it): saved indices checked and converted as peft loads them, every
+    layer's checked before any loads in a `load_state_dict` (resumes), cast buffers refused before a save, and which
+    weights are shared known at injection and before a merge."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(_check_before_load)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, with saved indices checked and turned into the layers' buffers; warns if chosen on another base."""
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        elsewhere = [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, cls.tuner_layer_cls) and adapter_name in module.neuroada_indices
+            if check_saved_tensors(module, name, adapter_name, remapped)
+        ]
+        if elsewhere and config.selection in STRATEGIES:  # (columns re-selected by gradient are the user's choice)
+            more = f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else ""
+            warnings.warn(
+                f"NeuroAda adapter '{adapter_name}' was selected on another base model: at {', '.join(elsewhere[:3])}"
+                f"{more}, most saved input columns are not among those this base's weights select. It loads and runs "
+                "as saved, but was trained on other weights: load it on the base model it was trained on.",
+                stacklevel=2,
+            )
+        return remapped
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, refused before anything is written where index buffers were cast: they would load nowhere."""
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        for key, tensor in selected.items():
+            if any(f".{name}" in key for name in INDEX_TENSORS) and tensor.dtype != BUFFER_DTYPE:
+                raise ValueError(
+                    f"Refusing to save NeuroAda adapter '{adapter_name}': {key} is a {tensor.dtype} tensor, where "
+                    f"{BUFFER_DTYPE} indices belong (converted, e.g. by `model.type(...)`), and would load as other "
+                    "columns. Nothing was written: load the adapter again from its saved files."
+                )
+        return selected
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too."""
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        mark_shared_weights(model, self.tuner_layer_cls)
+
+    def _check_merge_allowed(self) -> None:
+        """peft's, then which weights are shared now (a merge into one would change its other holders)."""
+        super()._check_merge_allowed()
+        mark_shared_weights(self.model, self.tuner_layer_cls)
+
+
+def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+    for name, layer in model.named_modules():
+        if isinstance(layer, model.tuner_layer_cls):
+            check_layer_state(layer, state_dict, f"{prefix}{name}.")
