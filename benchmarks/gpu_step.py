@@ -35,8 +35,9 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.accel import sparse_products
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.tuner import forward, products
+from peft_neuroada.tuner import forward, merged_copy
 from peft_neuroada.tuner.layer import NeuroAdaLayer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ class OneLayer(nn.Module):
 
 def delta_grad_candidates(device: torch.device) -> dict[str, Callable]:
     """The deltas' gradient products to time: both of the tuner's, and the Triton kernel where it runs."""
-    candidates = {"gathered": products.gathered_grad, "sparse": products.sparse_sampled_grad}
+    candidates = {"gathered": forward.sampled_grad, "sparse": sparse_products.sampled_grad}
     if device.type == "cuda":
         from peft_neuroada.accel import triton_sampled_grad
 
@@ -117,7 +118,7 @@ def layer_variants(d_in: int, d_out: int, k: int, device: torch.device, dtype: t
             model = get_peft_model(frozen(), NeuroAdaConfig(k=k, target_modules=["up_proj"]))
             for module in model.modules():
                 if isinstance(module, NeuroAdaLayer):
-                    module.sampled_grad = product
+                    module.kernels = module.kernels._replace(sampled_grad=product)
             return model
 
         return build
@@ -165,20 +166,20 @@ def _release(device: torch.device) -> None:
 
 def time_decoding(shapes: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> list[dict]:
     """A no-grad call of one adapted layer at few tokens, on the merged copy and on the bypass (the tuner's threshold,
-    `forward.BYPASS_MAX_TOKENS`, measured on the CPU, set to send every call one way): where the two cross."""
-    records, threshold = [], forward.BYPASS_MAX_TOKENS
+    `merged_copy.BYPASS_MAX_TOKENS`, measured on the CPU, set to send every call one way): where the two cross."""
+    records, threshold = [], merged_copy.BYPASS_MAX_TOKENS
     for shape, (d_in, d_out) in shapes.items():
         for k in KS:
             model = layer_variants(d_in, d_out, k, device, dtype)["neuroada-gathered"][1]().eval()
             for tokens in DECODE_TOKENS:
                 x = torch.randn(tokens, d_in, generator=torch.Generator().manual_seed(0)).to(device, dtype)
                 for path, bypass_below in (("copy", 0), ("bypass", tokens)):
-                    forward.BYPASS_MAX_TOKENS = bypass_below
+                    merged_copy.BYPASS_MAX_TOKENS = bypass_below
                     try:
                         with torch.no_grad():
                             ms = timed_ms(lambda model=model, x=x: model(x), device, 3, repeats)
                     finally:
-                        forward.BYPASS_MAX_TOKENS = threshold
+                        merged_copy.BYPASS_MAX_TOKENS = threshold
                     record = {"shape": shape, "d_in": d_in, "d_out": d_out, "k": k, "tokens": tokens, "path": path}
                     records.append({**record, "ms": round(ms, 4)})
             del model

@@ -26,10 +26,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.accel import sparse_products
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.tuner import products
-from peft_neuroada.tuner.forward import merged_copy
-from peft_neuroada.tuner.placement import Placement
+from peft_neuroada.tuner.forward import Placement
+from peft_neuroada.tuner.merged_copy import merged_copy
 
 
 @dataclass
@@ -182,7 +182,7 @@ def select_top_magnitude(layer: Layer) -> torch.Tensor:
     return layer.weight.abs().topk(layer.k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
-# ------------------------------------------------------ peft_neuroada.tuner.products: the bypass's sparse products
+# ------------------------------------------------------ the plugin's CPU products (accel/sparse_products)
 
 
 def bypass_fwd_reference(layer: Layer) -> torch.Tensor:
@@ -194,16 +194,17 @@ def bypass_input_reference(layer: Layer) -> torch.Tensor:
 
 
 def product_candidates() -> dict[str, Callable[[Layer], torch.Tensor]]:
-    """The tuner's three products, alone and as the bypass uses them: added to the base layer's output."""
+    """The plugin's three products on the CPU (`sparse_products`), alone and as the bypass uses them: added to the
+    base layer's output."""
 
     def grad(layer: Layer) -> torch.Tensor:
-        return products.sampled_grad(layer.x, layer.grad_out, layer.cols, None)
+        return sparse_products.sampled_grad(layer.x, layer.grad_out, layer.cols, None)
 
     def bypass(layer: Layer) -> torch.Tensor:
-        return products.bypass_forward(layer.x, layer.cols, None, layer.delta, layer.weight.shape[0])
+        return sparse_products.bypass_forward(layer.x, layer.cols, None, layer.delta, layer.weight.shape[0])
 
     def bypass_input(layer: Layer) -> torch.Tensor:
-        return products.bypass_input_grad(layer.grad_out, layer.cols, None, layer.delta, layer.weight.shape[1])
+        return sparse_products.bypass_input_grad(layer.grad_out, layer.cols, None, layer.delta, layer.weight.shape[1])
 
     def base_plus_bypass(layer: Layer) -> torch.Tensor:
         return F.linear(layer.x, layer.weight) + bypass(layer)

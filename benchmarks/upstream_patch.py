@@ -1,9 +1,15 @@
-"""The pull request peft would merge, as one `patch -p1` file against the installed peft's source release:
-docs/upstream/neuroada.patch, built from the tuner as it is now (peft_neuroada/tuner/) and the PR's own new files
-(docs/upstream/pr/: the docs page, the example, the method_comparison experiments, tests/test_neuroada.py).
+"""The pull requests peft would merge, as `patch -p1` files against the installed peft's source release, built from
+the tuner as it is now (peft_neuroada/tuner/) and the PRs' own new files (docs/upstream/pr/: the docs page, the
+example, the method_comparison experiments, tests/test_neuroada.py):
 
-    python benchmarks/upstream_patch.py           # (re)writes docs/upstream/neuroada.patch and its counts
-    python benchmarks/upstream_patch.py --check   # exit status 1 when the committed patch or its counts are stale
+* docs/upstream/series/000N-*.patch, one per `SERIES` stage, each applying on top of the ones before: the core first,
+  then one extension each. A stage's tuner is the whole tuner without the later stages' files, without their classes
+  among any class's bases (extensions are classes mixed in before the core's) and without their config fields; its
+  tests/test_neuroada.py is the PR's without the later stages' tests. Imports left unused go with them (ruff's F401).
+* docs/upstream/neuroada.patch, the whole series as one patch.
+
+    python benchmarks/upstream_patch.py           # (re)writes the patches and their counts
+    python benchmarks/upstream_patch.py --check   # exit status 1 when a committed patch or its counts are stale
 
 The counts that describe the patch (added lines, files, the tuner's lines, size) and the tuner model's overrides are
 written from what the script builds into docs/upstream.md, between `<!-- counts:NAME -->` and `<!-- /counts:NAME -->`
@@ -33,6 +39,7 @@ import textwrap
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(REPO_ROOT)]
@@ -40,6 +47,7 @@ sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(RE
 TUNER = REPO_ROOT / "peft_neuroada" / "tuner"
 PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
 PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
+SERIES_DIR = REPO_ROOT / "docs" / "upstream" / "series"
 UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
 MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
 TUNER_DIR = "src/peft/tuners/neuroada"
@@ -98,6 +106,132 @@ diff --git a/docs/source/_toctree.yml b/docs/source/_toctree.yml
        title: OFT
      - local: package_reference/osf
 """
+
+# ------------------------------------------------------------------------------------------------ the series
+
+
+class Stage(NamedTuple):
+    """One patch of the series: what it adds to the stages before it. `files`: tuner files; `classes`: the classes
+    (in those files) the tuner's classes take among their bases from this stage on; `fields`: NeuroAdaConfig fields;
+    `definitions`: top-level definitions in the core's files (what a class of `classes` there needs); `tests`:
+    top-level definitions of the PR's tests/test_neuroada.py."""
+
+    slug: str
+    title: str
+    files: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+    definitions: tuple[str, ...] = ()
+    tests: tuple[str, ...] = ()
+
+
+SERIES = (
+    Stage("core", "NeuroAda for nn.Linear and Conv1D"),
+    Stage(
+        "merged-copy",
+        "the merged-copy path: one matmul on a transient W + P * Theta where it can stand in",
+        files=("merged_copy.py",),
+        classes=("MergedCopyForward",),
+        tests=("TestNeuroAdaMergedCopy",),
+    ),
+    Stage(
+        "moe-experts",
+        "MoE experts through target_parameters",
+        files=("experts.py",),
+        classes=("ExpertsModel",),
+        fields=("target_parameters",),
+        tests=("tiny_moe", "TestNeuroAdaExperts"),
+    ),
+    Stage(
+        "mixed-batches",
+        "mixed batches (adapter_names)",
+        files=("mixed_batch.py",),
+        classes=("MixedBatchLinear", "MixedBatchModel"),
+        tests=("TestNeuroAdaMixedBatches",),
+    ),
+    Stage(
+        "quantized-merge-and-offload",
+        "merges into quantized weights, and accelerate's offloading",
+        files=("quantized_merge.py",),
+        classes=("QuantizedMerge", "Offloaded"),
+        tests=("TestNeuroAdaOffload",),
+    ),
+    Stage(
+        "load-guards",
+        "guards on loaded indices and on merges into shared weights",
+        files=("guards.py",),
+        classes=("GuardedLayer", "GuardedModel", "FieldChecks"),
+        definitions=("FieldChecks", "_is_int", "_is_none_or_names", "BIAS_OPTIONS", "SEED_RANGE"),
+        tests=("with_column", "TestNeuroAdaIndexGuards"),
+    ),
+)
+
+
+def series_names() -> list[str]:
+    return [f"{number:04d}-neuroada-{stage.slug}.patch" for number, stage in enumerate(SERIES, 1)]
+
+
+def later(stage: int) -> list[Stage]:
+    return list(SERIES[stage + 1 :])
+
+
+def without_bases(source: str, names: set[str]) -> str:
+    """Every class of `source` without `names` among its bases (the class header rewritten on one line)."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)), key=lambda n: -n.lineno):
+        bases = [ast.get_source_segment(source, base) for base in node.bases]
+        kept = [base for base in bases if base not in names]
+        if kept == bases:
+            continue
+        first = node.lineno - 1
+        last = node.body[0].lineno - 1
+        while not lines[last - 1].rstrip().endswith(":"):
+            last -= 1
+        indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+        lines[first:last] = [f"{indent}class {node.name}({', '.join(kept)}):\n"] + [""] * (last - first - 1)
+    return "".join(lines)
+
+
+def without_definitions(source: str, names: set[str]) -> str:
+    """`source` without its top-level functions, classes or assignments named in `names` (decorators included)."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    for node in reversed(tree.body):
+        name = getattr(node, "name", None) or next(
+            (t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)), None
+        )
+        if name in names:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+            lines[first : node.end_lineno] = []
+    return "".join(lines)
+
+
+def without_fields(source: str, fields: set[str]) -> str:
+    """The config without `fields`: their dataclass fields, their `Args:` entries and their `_check_fields` entries."""
+    for field in fields:
+        tree = ast.parse(source)
+        lines = source.splitlines(keepends=True)
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NeuroAdaConfig")
+        spans = [
+            (n.lineno, n.end_lineno)
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == field
+        ]
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if isinstance(key, ast.Constant) and key.value == field:
+                        spans.append((key.lineno, value.end_lineno))
+        for first, last in sorted(spans, reverse=True):
+            lines[first - 1 : last] = []
+        source = "".join(lines)
+        entry = re.compile(rf"(?m)^        {field} \(.*\n(?:^            .*\n)*")
+        if len(entry.findall(source)) != 1:
+            raise ValueError(f"NeuroAdaConfig's docstring has no single Args entry for {field}")
+        source = entry.sub("", source)
+    return source
+
 
 # ------------------------------------------------------------------------------------------ the test tables
 # The rows, in peft's style, put beside Super-Tuning's in each table (or at the end of a table it has no rows in).
@@ -312,19 +446,19 @@ EDITS: dict[str, list[Edit]] = {
 }
 
 
-def serves_mixed_batches() -> bool:
-    """Whether the tuner serves peft's mixed batches (`adapter_names`) itself: its model hands the names to the
-    layers through `_enable_peft_forward_hooks`, as LoRA's does."""
+def serves_mixed_batches(stage: int = len(SERIES) - 1) -> bool:
+    """Whether the tuner at `stage` serves peft's mixed batches (`adapter_names`) itself: its model hands the names
+    to the layers through `_enable_peft_forward_hooks`, as LoRA's does."""
     return any(
         isinstance(node, ast.FunctionDef) and node.name == "_enable_peft_forward_hooks"
-        for path in TUNER.glob("*.py")
-        for node in ast.walk(ast.parse(path.read_text()))
+        for source in tuner_files(stage).values()
+        for node in ast.walk(ast.parse(source))
     )
 
 
-def edits() -> dict[str, list[Edit]]:
-    """EDITS, with the mixed-batch row where the tuner serves mixed batches."""
-    if not serves_mixed_batches():
+def edits(stage: int = len(SERIES) - 1) -> dict[str, list[Edit]]:
+    """EDITS, with the mixed-batch row where the tuner at `stage` serves mixed batches."""
+    if not serves_mixed_batches(stage):
         return EDITS
     custom = [*EDITS["tests/test_custom_models.py"], table_rows("MIXED_ADAPTER_TEST_CASES", MIXED_BATCH_CASES, None)]
     return {**EDITS, "tests/test_custom_models.py": custom}
@@ -393,12 +527,18 @@ def without_mapping(source: str) -> str:
     return "".join(lines)
 
 
-def tuner_files() -> dict[str, str]:
-    """peft/tuners/neuroada/ as the PR adds it (before peft's style): the tuner's modules, the mapping read from
-    peft.utils, the package registering the method."""
-    files = {}
+def tuner_files(stage: int = len(SERIES) - 1) -> dict[str, str]:
+    """peft/tuners/neuroada/ as the series adds it up to `stage` (before peft's style): the tuner's modules without
+    the later stages', the mapping read from peft.utils, the package registering the method."""
+    files, gone = {}, later(stage)
     for path in sorted(TUNER.glob("*.py")):
+        if any(path.name in s.files for s in gone):
+            continue
         source = without_mapping(path.read_text())
+        source = without_bases(source, {name for s in gone for name in s.classes})
+        source = without_definitions(source, {name for s in gone for name in s.definitions})
+        if path.name == "config.py":
+            source = without_fields(source, {field for s in gone for field in s.fields})
         if path.name == "__init__.py":
             source = "from peft.utils import register_peft_method\n" + without_docstring(source) + REGISTRATION
         files[f"{TUNER_DIR}/{path.name}"] = source
@@ -416,14 +556,17 @@ def without_docstring(source: str) -> str:
 # ----------------------------------------------------------------------------------------- the PR's own files
 
 
-def pr_files() -> dict[str, str]:
-    """docs/upstream/pr/ as it lands in peft (its ruff.toml, which lints the files there as peft does, and caches
-    stay here), and the method_comparison experiments' adapter configs, written as peft writes a config."""
+def pr_files(stage: int = len(SERIES) - 1) -> dict[str, str]:
+    """docs/upstream/pr/ as it lands in peft up to `stage` (its ruff.toml, which lints the files there as peft does,
+    and caches stay here; the tests without the later stages'), and the method_comparison experiments' adapter
+    configs, written as peft writes a config."""
     files = {
         path.relative_to(PR_FILES).as_posix(): path.read_text()
         for path in sorted(PR_FILES.rglob("*"))
         if path.is_file() and path.name != "ruff.toml" and not any(part.startswith((".", "__")) for part in path.parts)
     }
+    tests = "tests/test_neuroada.py"
+    files[tests] = without_definitions(files[tests], {name for s in later(stage) for name in s.tests})
     for name, k in EXPERIMENTS.items():
         files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = experiment_config(k)
     return files
@@ -472,7 +615,7 @@ def peft_style(files: dict[str, str]) -> dict[str, str]:
             path = Path(scratch, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(LICENSE + "\n" + source if name.endswith(".py") else source)
-        ruff(["check", "--select=I", "--fix", "--exit-zero", "--quiet"], scratch)
+        ruff(["check", "--select=F401,I", "--fix", "--exit-zero", "--quiet"], scratch)
         ruff(["format", "--quiet"], scratch)
         return {name: Path(scratch, name).read_text() for name in files}
 
@@ -502,17 +645,42 @@ def file_diff(path: str, old: str | None, new: str) -> str:
     return header + "".join(lines)
 
 
-def build_patch(archive: Path) -> str:
-    """The whole patch against the source release `archive`."""
-    release = Release(archive)
-    changed = peft_style({**tuner_files(), **pr_files()})
-    for path, steps in edits().items():
+def stage_tree(release: Release, stage: int) -> dict[str, str]:
+    """Every file the series up to `stage` adds or changes, as it reads after that patch."""
+    changed = peft_style({**tuner_files(stage), **pr_files(stage)})
+    for path, steps in edits(stage).items():
         source = release.files[path]
         for step in steps:
             source = step(source)
         changed[path] = source
-    sections = [file_diff(path, release.files.get(path), changed[path]) for path in sorted(changed)]
-    return "".join(sorted([*sections, TOCTREE_HUNK], key=lambda section: section.split("\n", 1)[0]))
+    return changed
+
+
+def tree_diff(release: Release, before: dict[str, str], after: dict[str, str], toctree: bool) -> str:
+    """The patch from `before` to `after` (files the series changes; others as released), with the toctree hunk."""
+    sections = [
+        file_diff(path, before.get(path, release.files.get(path)), text)
+        for path, text in sorted(after.items())
+        if before.get(path, release.files.get(path)) != text
+    ]
+    sections += [TOCTREE_HUNK] if toctree else []
+    return "".join(sorted(sections, key=lambda section: section.split("\n", 1)[0]))
+
+
+def build_series(archive: Path) -> dict[str, str]:
+    """The series' patches by file name, each from the tree the ones before leave."""
+    release = Release(archive)
+    trees = [stage_tree(release, stage) for stage in range(len(SERIES))]
+    return {
+        name: tree_diff(release, trees[number - 1] if number else {}, trees[number], toctree=not number)
+        for number, name in enumerate(series_names())
+    }
+
+
+def build_patch(archive: Path) -> str:
+    """The whole series as one patch against the source release `archive`."""
+    release = Release(archive)
+    return tree_diff(release, {}, stage_tree(release, len(SERIES) - 1), toctree=True)
 
 
 def project_references(patch: str) -> list[str]:
@@ -538,16 +706,60 @@ PEER_TUNERS = {"SupertuningModel": "Super-Tuning", "ShiraModel": "SHiRA", "VeraM
 
 
 def tuner_overrides(model_class: type) -> list[str]:
-    """The methods a tuner's model class defines that peft calls on a tuner: those BaseTuner defines too
-    (`_create_and_replace`, which BaseTuner requires, among them) and PEFT_TUNER_HOOKS; in the order defined."""
+    """The methods a tuner's model class defines, itself or through the classes it mixes in before BaseTuner, that
+    peft calls on a tuner: those BaseTuner defines too (`_create_and_replace`, which BaseTuner requires, among them)
+    and PEFT_TUNER_HOOKS; in the order defined."""
     from peft.tuners.tuners_utils import BaseTuner
 
-    return [
-        name
-        for name, member in vars(model_class).items()
-        if (inspect.isfunction(member) or isinstance(member, classmethod | staticmethod))
-        and (hasattr(BaseTuner, name) or name in PEFT_TUNER_HOOKS)
-    ]
+    own = [cls for cls in model_class.__mro__ if cls.__module__.startswith(model_class.__module__.rpartition(".")[0])]
+    return list(
+        dict.fromkeys(
+            name
+            for cls in own
+            for name, member in vars(cls).items()
+            if (inspect.isfunction(member) or isinstance(member, classmethod | staticmethod))
+            and (hasattr(BaseTuner, name) or name in PEFT_TUNER_HOOKS)
+        )
+    )
+
+
+def stage_overrides(stage: int) -> list[str]:
+    """`tuner_overrides` of NeuroAdaModel as the series leaves it after `stage`, read from its source."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    classes = {
+        node.name: node
+        for source in tuner_files(stage).values()
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef)
+    }
+    names, queue = [], ["NeuroAdaModel"]
+    while queue:
+        node = classes.get(queue.pop(0))
+        if node is None:
+            continue
+        names += [
+            method.name
+            for method in node.body
+            if isinstance(method, ast.FunctionDef)
+            and (hasattr(BaseTuner, method.name) or method.name in PEFT_TUNER_HOOKS)
+            and method.name not in names
+        ]
+        queue += [base.id for base in node.bases if isinstance(base, ast.Name)]
+    return names
+
+
+def series_table(series: dict[str, str]) -> str:
+    """The series as a table: per patch, what it adds, its lines and the tuner's size and overrides after it."""
+    rows = ["| patch | adds | added lines (tuner) | tuner after it | BaseTuner overrides beyond the required one |"]
+    rows.append("|---|---|---:|---:|---|")
+    tuner = 0
+    for stage, (name, patch) in enumerate(series.items()):
+        counts, tuner = patch_counts(patch), tuner + patch_counts(patch)["tuner"]
+        extra = [f"`{method}`" for method in stage_overrides(stage) if method != "_create_and_replace"]
+        row = f"| `{name}` | {SERIES[stage].title} | {counts['added']:,} ({counts['tuner']:,}) | {tuner:,} |"
+        rows.append(f"{row} {len(extra)}: {', '.join(extra) or 'none'} |")
+    return "\n".join(rows)
 
 
 def patch_counts(patch: str) -> dict[str, int]:
@@ -564,7 +776,7 @@ def patch_counts(patch: str) -> dict[str, int]:
     return counts | {"files": files, "lines": len(patch.splitlines()), "bytes": len(patch.encode())}
 
 
-def count_texts(patch: str) -> dict[str, str]:
+def count_texts(patch: str, series: dict[str, str]) -> dict[str, str]:
     """What each marked block of docs/upstream.md says, by block name."""
     import peft.tuners
 
@@ -587,16 +799,18 @@ def count_texts(patch: str) -> dict[str, str]:
             + "".join(f" and `{name}`, which `PeftModel` calls where a tuner defines it" for name in hooks)
             + f". Counted the same way, peft {version('peft')}'s {', '.join(peers)}."
         ),
+        "series": series_table(series),
     }
 
 
-def with_counts(doc: str, patch: str) -> str:
-    """`doc` (docs/upstream.md) with every marked block holding what count_texts says for `patch`."""
-    for name, text in count_texts(patch).items():
+def with_counts(doc: str, patch: str, series: dict[str, str]) -> str:
+    """`doc` (docs/upstream.md) with every marked block holding what count_texts says for `patch` and `series`."""
+    for name, text in count_texts(patch, series).items():
         pattern = re.compile(rf"(<!-- counts:{name} -->\n).*?(<!-- /counts:{name} -->)", re.DOTALL)
         if len(pattern.findall(doc)) != 1:
             raise ValueError(f"{UPSTREAM_DOC.name} has no single block marked counts:{name}")
-        text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
+        if not text.startswith("|"):
+            text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
         doc = pattern.sub(lambda match, text=text: match[1] + text + "\n" + match[2], doc)
     return doc
 
@@ -624,21 +838,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--check", action="store_true", help="Only compare with the committed patch and counts.")
     args = parser.parse_args(argv)
-    patch = build_patch(default_release())
+    release = default_release()
+    patch, series = build_patch(release), build_series(release)
     doc = UPSTREAM_DOC.read_text()
-    counted = with_counts(doc, patch)
+    counted = with_counts(doc, patch, series)
+    wanted = {PATCH: patch, **{SERIES_DIR / name: text for name, text in series.items()}}
     if args.check:
-        stale = [
-            path
-            for path, ok in ((PATCH, PATCH.exists() and PATCH.read_text() == patch), (UPSTREAM_DOC, doc == counted))
-            if not ok
-        ]
-        for path in (PATCH, UPSTREAM_DOC):
+        stale = [path for path, text in wanted.items() if not (path.exists() and path.read_text() == text)]
+        stale += [] if doc == counted else [UPSTREAM_DOC]
+        stale += sorted(set(SERIES_DIR.glob("*.patch")) - set(wanted))
+        for path in [*wanted, UPSTREAM_DOC]:
             print(f"{path.relative_to(REPO_ROOT)} is {'stale' if path in stale else 'up to date'}")
         return int(bool(stale))
-    PATCH.parent.mkdir(parents=True, exist_ok=True)
-    PATCH.write_text(patch)
-    print(f"wrote {PATCH.relative_to(REPO_ROOT)}: {len(patch.splitlines())} lines, {len(patch.encode())} bytes")
+    SERIES_DIR.mkdir(parents=True, exist_ok=True)
+    for path in set(SERIES_DIR.glob("*.patch")) - set(wanted):
+        path.unlink()
+    for path, text in wanted.items():
+        path.write_text(text)
+        print(f"wrote {path.relative_to(REPO_ROOT)}: {len(text.splitlines())} lines, {len(text.encode())} bytes")
     if counted != doc:
         UPSTREAM_DOC.write_text(counted)
         print(f"wrote the counts in {UPSTREAM_DOC.relative_to(REPO_ROOT)}")

@@ -19,11 +19,12 @@ import torch
 import torch.nn.modules.module as module_hooks
 from peft.tuners._buffer_dict import BufferDict
 
+from .accel import sparse_products
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
-from .tuner import experts, forward, layer, products
+from .tuner import experts, forward, layer, merged_copy
+from .tuner.forward import Placement, transformed
 from .tuner.guards import placement_problem
 from .tuner.mixed_batch import MixedBatch
-from .tuner.placement import Placement
 from .weighted_adapters import WeightedLayer
 
 # The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
@@ -43,7 +44,7 @@ _GLOBAL_HOOKS = (
 
 def copy_refusal(base: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
     """The tuner's `copy_refusal`, and hooks registered for every module, which would see the base layer's call."""
-    return forward.copy_refusal(base, weight, x) or (
+    return merged_copy.copy_refusal(base, weight, x) or (
         "global module hooks would see the base layer's call" if any(_GLOBAL_HOOKS) else None
     )
 
@@ -75,6 +76,10 @@ class PluginLayer(WeightedLayer):
 
     requantize_with: Any = None  # the torchao config a merged torchao weight is quantized with again
     copy_refusal = staticmethod(copy_refusal)
+    # The CPU's sparse products (measured faster there; docs/performance.md), the tuner's elsewhere.
+    kernels = forward.Kernels(
+        sparse_products.sampled_grad, sparse_products.bypass_forward, sparse_products.bypass_input_grad
+    )
 
     def _select(self, adapter_name: str, config: Any, k: int) -> tuple[int, torch.dtype]:
         """'gradient' starts from the magnitude selection, until `select_by_gradient` re-selects."""
@@ -91,7 +96,7 @@ class PluginLayer(WeightedLayer):
         # The containers' own dicts: ParameterDict/BufferDict lookups cost 1-1.5 us each, at every visit.
         shape = self.neuroada_delta._parameters[adapter_name].shape
         buffer, rows = self.neuroada_indices._buffers[adapter_name], self.neuroada_rows._buffers.get(adapter_name)
-        if torch.compiler.is_compiling() or products.transformed(buffer):  # dynamo would guard on what is kept; a
+        if torch.compiler.is_compiling() or transformed(buffer):  # dynamo would guard on what is kept; a
             return Placement(buffer, rows)  # buffer vmapped (stack_module_state) has no storage
         if buffer.is_inference() or (rows is not None and rows.is_inference()):
             buffer = _versioned(self.neuroada_indices, adapter_name)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .tuner.forward import entry_index
 from .tuner.layer import Linear, NeuroAdaLayer
-from .tuner.placement import entry_index
 from .tuner.selection import INDEX_DTYPE as BUFFER_DTYPE
 
 SUPERTUNING_KEYS = ("supertuning_values", "supertuning_indices")

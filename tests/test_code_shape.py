@@ -10,9 +10,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "peft_neuroada"
 TUNER = PACKAGE / "tuner"
 MAX_FUNCTION_LINES = 50
-MAX_TUNER_LINES = 1900
-# The private names the tuner reads because no public API tells the same, each named in docs/design.md.
-NAMED_IN_DESIGN = {"forward.py": "module_hooks._global_"}
+# The core and its extensions together (the core alone, as peft's first patch holds it, is bounded at 900 lines by
+# tests/test_peft_upstream_suite.py).
+MAX_TUNER_LINES = 2000
 # What peft's own tuners do not hold, and the tuner must not either (docs/design.md, "Layers").
 FOREIGN_TO_A_PEFT_TUNER = {
     "threads or locks": r"\bimport threading\b|\bfrom threading\b|\bLock\(",
@@ -43,7 +43,7 @@ def test_the_tuner_holds_nothing_a_peft_tuner_would_not():
         for path in TUNER.glob("*.py")
         for number, line in enumerate(path.read_text().splitlines(), 1)
         for what, pattern in FOREIGN_TO_A_PEFT_TUNER.items()
-        if re.search(pattern, line) and NAMED_IN_DESIGN.get(path.name, "\0") not in line
+        if re.search(pattern, line)
     ]
     assert not found, found
 

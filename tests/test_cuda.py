@@ -123,23 +123,23 @@ def test_a_captured_cuda_graph_replays_the_eager_output(token_batch):
 def test_the_delta_gradient_on_cuda_is_one_gemm_in_the_operands_dtype_gathered_at_the_placement(dtype):
     """CUDA's default, `gathered_grad` (the out_dtype GEMM for half precision): the dense reference's values at the
     placement, the same bits on two runs, and what `sampled_grad` returns there."""
-    from peft_neuroada.tuner import products
+    from peft_neuroada.tuner import forward
 
     generator = torch.Generator().manual_seed(0)
     x, grad = torch.randn(300, 70, generator=generator), torch.randn(300, 90, generator=generator)
     cols = torch.stack([torch.randperm(70, generator=generator)[:20] for _ in range(45)]).int()
     rows = torch.arange(0, 90, 2, dtype=torch.int32)
     x, grad, cols, rows = x.to("cuda", dtype), grad.to("cuda", dtype), cols.cuda(), rows.cuda()
-    got = products.sampled_grad(x, grad, cols, rows)
+    got = forward.sampled_grad(x, grad, cols, rows)
     expected = (grad[:, rows.long()].double().T @ x.double()).gather(1, cols.long())
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-4)
-    assert torch.equal(got, products.gathered_grad(x, grad, cols, rows))
+    assert torch.equal(got, forward.sampled_grad(x, grad, cols, rows))
 
 
 def test_the_merged_copy_on_cuda_is_the_accumulating_writes_bits():
-    from peft_neuroada.tuner.forward import merged_copy
-    from peft_neuroada.tuner.placement import Placement, entry_index
+    from peft_neuroada.tuner.forward import Placement, entry_index
+    from peft_neuroada.tuner.merged_copy import merged_copy
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 48, generator=generator).to("cuda", torch.bfloat16)

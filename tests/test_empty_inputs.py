@@ -14,7 +14,7 @@ from torch import nn
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layers import Linear
-from peft_neuroada.tuner.forward import copy_refusal
+from peft_neuroada.tuner.merged_copy import copy_refusal
 from tests.conftest import neuroada_layers
 
 

@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer, select_by_gradient
 from peft_neuroada.budget import neuroada_parameter_count, targeted_shapes
 from peft_neuroada.tuner.experts import ParamWrapper
-from peft_neuroada.tuner.placement import placed_entries
+from peft_neuroada.tuner.forward import placed_entries
 
 MOE = sorted(TINY_MOE)
 TOKENS = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))

@@ -1,7 +1,7 @@
 """The CUDA training path, specified on the CPU: every part of it has a twin here that computes the same values (the
 device script, benchmarks/gpu_step.py, times them on a GPU, and tests/test_cuda.py runs these specs there).
 
-* the deltas' gradient as one GEMM gathered at the placement (`products.gathered_grad`, CUDA's default),
+* the deltas' gradient as one GEMM gathered at the placement (`forward.sampled_grad`, the tuner's),
 * the merged copy written without an accumulating (sorting) write, the same bits as one,
 * a training step that asks nothing of the host the device would wait for (no `unique`, `nonzero` or `item`),
 * no more ATen operators per adapted layer than LoRA's at the same budget (benchmarks/step_profile.py).
@@ -23,9 +23,10 @@ from peft import get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.tuner import products
-from peft_neuroada.tuner.forward import merged_copy
-from peft_neuroada.tuner.placement import Placement, entry_index
+from peft_neuroada.accel import sparse_products
+from peft_neuroada.tuner import forward
+from peft_neuroada.tuner.forward import Placement, entry_index
+from peft_neuroada.tuner.merged_copy import merged_copy
 from tests.conftest import neuroada_layers, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,18 +68,18 @@ def _dense_reference(x, grad, cols, rows) -> torch.Tensor:
 def test_the_gathered_delta_gradient_is_the_dense_weight_gradient_at_the_placement(shape, dtype) -> None:
     """Operands read in their own dtype (exact products), accumulated and returned in float32."""
     x, grad, cols, rows = _case(*shape, dtype)
-    got = products.gathered_grad(x, grad, cols, rows)
+    got = forward.sampled_grad(x, grad, cols, rows)
     assert got.dtype == torch.float32 and got.shape == cols.shape
     scale = float(x.double().abs().max() * grad.double().abs().max() * x.shape[0]) or 1.0
     torch.testing.assert_close(got.double(), _dense_reference(x, grad, cols, rows), rtol=0, atol=2e-6 * scale)
-    assert torch.equal(got, products.gathered_grad(x, grad, cols, rows)), "two runs, the same bits"
+    assert torch.equal(got, forward.sampled_grad(x, grad, cols, rows)), "two runs, the same bits"
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "x".join(map(str, s[:4])))
 def test_the_gathered_and_the_sparse_delta_gradients_agree(shape) -> None:
     """CUDA's default and the CPU's compute the same values from the same placement."""
     x, grad, cols, rows = _case(*shape, torch.float32)
-    gathered, sparse = products.gathered_grad(x, grad, cols, rows), products.sparse_sampled_grad(x, grad, cols, rows)
+    gathered, sparse = forward.sampled_grad(x, grad, cols, rows), sparse_products.sampled_grad(x, grad, cols, rows)
     torch.testing.assert_close(gathered, sparse, rtol=1e-5, atol=1e-5)
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.tuner import products
+from peft_neuroada.tuner import forward
 from peft_neuroada.tuner.guards import saved_columns
 from tests.conftest import indices_by_layer, logits, tiny_llama
 
@@ -99,7 +99,7 @@ def test_products_accept_the_last_column_and_refuse_the_one_past_it():
     d_in = 32768
     x, delta = torch.randn(2, d_in), torch.ones(3, 1)
     last = torch.full((3, 1), d_in - 1, dtype=torch.int32)
-    out = products.bypass_forward(x, last, None, delta, 3)
+    out = forward.bypass_forward(x, last, None, delta, 3)
     torch.testing.assert_close(out, x[:, -1:].expand(2, 3))
     with pytest.raises((IndexError, RuntimeError), match="outside|out of range|out of DATA bounds"):
-        products.bypass_forward(x, last + 1, None, delta, 3)
+        forward.bypass_forward(x, last + 1, None, delta, 3)

@@ -158,17 +158,20 @@ def without_the_plugin(patched_tree: Path, scratch: Path, *more_paths: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def peft_run(patched_tree, tmp_path_factory) -> dict:
-    """peft's tests, `-k neuroada`, in a fresh interpreter on the patched tree: the JUnit test cases, every collected
-    case id, and which peft ran."""
-    scratch = tmp_path_factory.mktemp("peft-run")
+def hub(tmp_path_factory) -> Path:
+    return hub_cache(tmp_path_factory.mktemp("hub"))
+
+
+def run_peft_tests(tree: Path, scratch: Path, hub: Path) -> dict:
+    """peft's tests, `-k neuroada`, in a fresh interpreter on `tree`: the JUnit test cases, every collected case id,
+    and which peft ran."""
     plugin = scratch / "plugin"
     plugin.mkdir()
     shutil.copy(Path(__file__).with_name("peft_tree_plugin.py"), plugin)
     report, junit = scratch / "report.json", scratch / "junit.xml"
     env = {
-        **without_the_plugin(patched_tree, scratch, plugin),
-        "HF_HUB_CACHE": str(hub_cache(scratch / "hub")),
+        **without_the_plugin(tree, scratch, plugin),
+        "HF_HUB_CACHE": str(hub),
         "NEUROADA_STAND_INS": json.dumps([model_id for model_id, _ in STAND_INS.values()]),
         "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
         "NEUROADA_REPORT": str(report),
@@ -176,13 +179,18 @@ def peft_run(patched_tree, tmp_path_factory) -> dict:
     command = [sys.executable, "-m", "pytest", *RUN_FILES, *HUB_FILES, "-k", "neuroada", "-x", "-q"]
     command += ["-p", "peft_tree_plugin", "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}"]
     command += [f"-W=ignore:{message}:FutureWarning" for message in TRANSFORMERS_DEPRECATIONS]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=patched_tree, env=env)
+    run = subprocess.run(command, capture_output=True, text=True, cwd=tree, env=env)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     return {
         "cases": list(ElementTree.parse(junit).iter("testcase")),
         "collected": json.loads(report.with_suffix(".collected.json").read_text()),
         "process": json.loads(report.read_text()),
     }
+
+
+@pytest.fixture(scope="module")
+def peft_run(patched_tree, hub, tmp_path_factory) -> dict:
+    return run_peft_tests(patched_tree, tmp_path_factory.mktemp("peft-run"), hub)
 
 
 def of_file(cases: list[ElementTree.Element], file: str, name_part: str = "") -> list[ElementTree.Element]:
@@ -199,6 +207,63 @@ def ran(cases: list[ElementTree.Element], file: str, name_part: str = "") -> lis
 def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upstream_patch, peft_release):
     built = upstream_patch.build_patch(peft_release)
     assert upstream_patch.PATCH.read_text() == built, "stale: run `python benchmarks/upstream_patch.py`"
+    series = upstream_patch.build_series(peft_release)
+    assert sorted(path.name for path in upstream_patch.SERIES_DIR.glob("*.patch")) == sorted(series)
+    for name, text in series.items():
+        assert (upstream_patch.SERIES_DIR / name).read_text() == text, f"stale {name}: run the script"
+
+
+def series_tree(upstream_patch, release: Path, scratch: Path, stage: int) -> Path:
+    """A clean copy of the source release with the series' patches up to `stage` applied in order by `patch -p1`
+    (the toctree hunk aside: the source release does not ship peft's docs)."""
+    root = extracted(release, scratch)
+    for name in upstream_patch.series_names()[: stage + 1]:
+        text = (upstream_patch.SERIES_DIR / name).read_text()
+        sections = re.split(r"(?m)^(?=diff --git )", text)
+        apply_patch(root, "".join(section for section in sections if upstream_patch.TOCTREE not in section[:80]))
+    return root
+
+
+def tree_files(root: Path) -> dict[str, bytes]:
+    return {path.relative_to(root).as_posix(): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
+
+def test_the_series_applied_in_order_gives_the_tree_the_whole_patch_gives(
+    upstream_patch, peft_release, patched_tree, tmp_path
+):
+    last = len(upstream_patch.SERIES) - 1
+    assert last == 5, "the parametrization below runs the patches before the last: change its range"
+    assert tree_files(series_tree(upstream_patch, peft_release, tmp_path, last)) == tree_files(patched_tree)
+
+
+@pytest.mark.parametrize("stage", range(5), ids=lambda stage: f"after-000{stage + 1}")
+def test_peft_s_tests_pass_after_each_patch_of_the_series(upstream_patch, peft_release, hub, tmp_path, stage):
+    """Each patch, applied after those before it, passes peft's tests for NeuroAda with the plugin absent: its own
+    tests run, and no later patch's (the whole series runs in `peft_run`)."""
+    tree = series_tree(upstream_patch, peft_release, tmp_path / "tree", stage)
+    run = run_peft_tests(tree, tmp_path, hub)
+    assert run["process"]["plugin_imported"] is False
+    assert not [case for case in run["cases"] if case.find("failure") is not None or case.find("error") is not None]
+    own = [c.get("classname").rpartition(".")[2] for c in ran(run["cases"], "tests/test_neuroada.py")]
+    for number, stage_of in enumerate(upstream_patch.SERIES):
+        for name in (test for test in stage_of.tests if test.startswith("Test")):
+            assert (name in own) == (number <= stage), (name, stage)
+    mixed = ran(run["cases"], RUN_FILES[0], "[NeuroAda mixed adapter-")
+    assert bool(mixed) == (stage >= [s.slug for s in upstream_patch.SERIES].index("mixed-batches"))
+
+
+def test_the_core_meets_its_bounds(upstream_patch, peft_release):
+    """The first patch's tuner: at most 900 lines, at most 4 BaseTuner overrides beyond `_create_and_replace`, no
+    private name of torch's module-hook registries or of accelerate's hooks, and no later patch's file or class."""
+    core = upstream_patch.peft_style(upstream_patch.tuner_files(0))
+    assert sum(len(text.splitlines()) for text in core.values()) <= 900
+    assert len([name for name in upstream_patch.stage_overrides(0) if name != "_create_and_replace"]) <= 4
+    later = {name for stage in upstream_patch.SERIES[1:] for name in (*stage.classes, *stage.definitions)}
+    for path, text in core.items():
+        assert not re.search(r"_global_\w+_hooks|_hf_hook|AlignDevicesHook", text), path
+        assert not [name for name in later if re.search(rf"\b{name}\b", text)], path
+    files = {path.rsplit("/", 1)[1] for path in core}
+    assert not files & {file for stage in upstream_patch.SERIES[1:] for file in stage.files}
 
 
 def test_every_python_file_the_patch_touches_passes_peft_s_lint_and_format(upstream_patch, patched_tree):
@@ -230,7 +295,7 @@ def test_every_custom_model_case_runs_peft_s_generic_tuner_tests(peft_run, upstr
         tests = {case.get("name").split("[")[0] for case in ran(peft_run["cases"], RUN_FILES[0], f"[{name}-")}
         assert len(tests) >= 40, name
     several = ["NeuroAda Same", "NeuroAda Different"]
-    several += ["NeuroAda mixed adapter"] if upstream_patch.serves_mixed_batches() else []
+    several += ["NeuroAda mixed adapter"]
     for name in several:
         assert len(ran(peft_run["cases"], RUN_FILES[0], f"[{name}-")) >= 5, name
     assert len(ran(peft_run["cases"], RUN_FILES[0], "mixed_modules_to_save")) == 2

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.layers import Linear
-from peft_neuroada.tuner.forward import BYPASS_MAX_TOKENS, FEW_TOKENS, copy_refusal
+from peft_neuroada.tuner.merged_copy import BYPASS_MAX_TOKENS, FEW_TOKENS, copy_refusal
 from tests.conftest import TINY_LLAMA_DISK_MAP, logits, neuroada_layers, tiny_llama
 
 
@@ -191,7 +191,7 @@ def test_an_offloaded_model_is_refused_before_any_layer_changes(offloaded_llama)
 def test_loading_an_adapter_onto_an_offloaded_model_is_refused_clearly(offloaded_llama):
     model, tmp_path = offloaded_llama
     get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)).save_pretrained(tmp_path / "adapter")
-    with pytest.raises(ValueError, match="load the model without CPU/disk offloading"):
+    with pytest.raises(ValueError, match="load the model without offloading"):
         PeftModel.from_pretrained(model, tmp_path / "adapter")
 
 

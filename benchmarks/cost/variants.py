@@ -25,11 +25,12 @@ from transformers import (
 )
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.accel import sparse_products
 from peft_neuroada.budget import density_for_k, lora_rank_for_k, targeted_shapes
 from peft_neuroada.cache import cache_root, save_model_folder_once
 from peft_neuroada.train.default_model import default_model_path
 from peft_neuroada.train.models import load_default_model
-from peft_neuroada.tuner import products
+from peft_neuroada.tuner import forward
 from peft_neuroada.tuner.config import LLAMA_STYLE_TARGETS
 from peft_neuroada.tuner.experts import expert_projections
 from peft_neuroada.tuner.layer import NeuroAdaLayer
@@ -227,15 +228,15 @@ def neuroada_triton(model: PreTrainedModel) -> Setup:
 
 
 def neuroada_delta_grad(product: str) -> Callable[[PreTrainedModel], Setup]:
-    """NeuroAda k=20 with one delta-gradient candidate on every device: "gathered" (`products.gathered_grad`, the
-    default on CUDA: one GEMM, gathered) or "sparse" (`products.sparse_sampled_grad`, the default elsewhere)."""
-    function = {"gathered": products.gathered_grad, "sparse": products.sparse_sampled_grad}[product]
+    """NeuroAda k=20 with one delta-gradient candidate on every device: "gathered" (`forward.sampled_grad`, the
+    tuner's: one GEMM, gathered) or "sparse" (`sparse_products.sampled_grad`, the plugin's on the CPU)."""
+    function = {"gathered": forward.sampled_grad, "sparse": sparse_products.sampled_grad}[product]
 
     def setup(model: PreTrainedModel) -> Setup:
         peft_model, trainable, _ = neuroada(BUDGET_K)(model)
         for layer in peft_model.modules():
             if isinstance(layer, NeuroAdaLayer):
-                layer.sampled_grad = function
+                layer.kernels = layer.kernels._replace(sampled_grad=function)
         return peft_model, trainable, f"neuroada k={BUDGET_K}, {product} delta gradient"
 
     return setup

@@ -17,7 +17,7 @@ def use_triton(model: nn.Module) -> int:
         raise RuntimeError("use_triton needs the triton package: `pip install triton` (Linux, with a CUDA torch).")
     layers = [module for module in model.modules() if isinstance(module, NeuroAdaLayer)]
     for layer in layers:
-        layer.sampled_grad = triton_sampled_grad.sampled_grad
+        layer.kernels = layer.kernels._replace(sampled_grad=triton_sampled_grad.sampled_grad)
     return len(layers)
 
 

@@ -1,6 +1,6 @@
-"""The deltas' gradient (the dense weight gradient sampled at the placement, `tuner.products.sampled_grad`'s
-contract) as a Triton kernel on CUDA tensors; on other tensors, torch's product. Under `TRITON_INTERPRET=1` it also
-runs on CPU tensors, which is how the tests check it.
+"""The deltas' gradient (the dense weight gradient sampled at the placement, `tuner.forward.sampled_grad`'s
+contract) as a Triton kernel on CUDA tensors; on other tensors, the plugin's products (`sparse_products`). Under
+`TRITON_INTERPRET=1` it also runs on CPU tensors, which is how the tests check it.
 
 The kernel reads x and the output gradient token-major, so a program's run of adjacent tokens of one column is one
 coalesced load; it tiles the flattened entries e = i * k + j (no padding for any k) and splits the tokens until about
@@ -16,7 +16,8 @@ import os
 import torch
 from torch import Tensor
 
-from ..tuner import products
+from . import sparse_products
+from .sparse_products import token_major
 
 triton = tl = None  # imported on first use; the jitted kernel resolves these globals
 BLOCK_TOKENS, BLOCK_ENTRIES = 64, 64
@@ -67,11 +68,11 @@ def _kernel():
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
     if not _runs_on(x2d) or torch.compiler.is_compiling():
-        return products.sampled_grad(x2d, grad2d, cols, rows)
+        return sparse_products.sampled_grad(x2d, grad2d, cols, rows)
     (n, k), tokens = cols.shape, x2d.shape[0]
     if n * k == 0 or tokens == 0:
         return torch.zeros(n, k, dtype=torch.float32, device=x2d.device)
-    x2d, grad2d, cols = products.token_major(x2d), products.token_major(grad2d), cols.contiguous()
+    x2d, grad2d, cols = token_major(x2d), token_major(grad2d), cols.contiguous()
     entry_blocks = _cdiv(n * k, BLOCK_ENTRIES)
     splits = max(1, min(_cdiv(tokens, BLOCK_TOKENS), TARGET_PROGRAMS // entry_blocks))
     tokens_per_split = _cdiv(_cdiv(tokens, splits), BLOCK_TOKENS) * BLOCK_TOKENS

@@ -4,8 +4,7 @@ It works alone: tests/test_peft_upstream_suite.py runs it inside a copy of peft'
 """
 
 from .config import NeuroAdaConfig
-from .experts import ParamWrapper
 from .layer import Linear, NeuroAdaLayer
 from .model import NeuroAdaModel
 
-__all__ = ["Linear", "NeuroAdaConfig", "NeuroAdaLayer", "NeuroAdaModel", "ParamWrapper"]
+__all__ = ["Linear", "NeuroAdaConfig", "NeuroAdaLayer", "NeuroAdaModel"]

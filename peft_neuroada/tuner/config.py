@@ -38,78 +38,13 @@ BIAS_OPTIONS = ("none", "all", f"{METHOD_NAME}_only")  # peft's, as its BaseTune
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.Generator.manual_seed's; layer_generator's XOR with a CRC32 stays inside
 
 
-def _field(default: Any, text: str) -> Any:
-    return field(default=default, metadata={"help": text})
-
-
-@dataclass
-class NeuroAdaConfig(PeftConfig):
-    """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
-    deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
-
-    Args:
-        k (`int`, *optional*, defaults to `1`):
-            Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
-        target_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            Module names, a regex or 'all-linear'. None: the architecture's default projections (attention q/k/v/o,
-            MLP gate/up/down); an architecture without defaults must name them.
-        exclude_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            Module names or a regex to leave untouched.
-        target_parameters (`Optional[list[str]]`, *optional*, defaults to `None`):
-            Parameters adapted by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), k per
-            neuron of each expert. None with target_modules None: the model's expert projections.
-        layers_to_transform (`Optional[Union[list[int], int]]`, *optional*, defaults to `None`):
-            Layer indices to adapt (all when None).
-        layers_pattern (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            The name of the model's list of layers, with layers_to_transform.
-        selection (`str`, *optional*, defaults to `"magnitude"`):
-            How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
-        selection_seed (`int`, *optional*, defaults to `0`):
-            Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
-        neuron_fraction (`float`, *optional*, defaults to `1.0`):
-            Share of each layer's neurons that is tuned (the paper's coverage ablation).
-        fan_in_fan_out (`bool`, *optional*, defaults to `False`):
-            True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
-        init_weights (`bool`, *optional*, defaults to `True`):
-            Zero deltas, so the model starts as its base; False: random ones, for tests.
-        bias (`str`, *optional*, defaults to `"none"`):
-            Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
-        delta_dtype (`Optional[str]`, *optional*, defaults to `None`):
-            'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's `autocast_adapter_dtype`.
-        modules_to_save (`Optional[list[str]]`, *optional*, defaults to `None`):
-            Extra modules trained fully and saved with the adapter.
-    """
-
-    k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
-    target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")
-    exclude_modules: list[str] | str | None = _field(None, "Module names or regex to leave untouched.")
-    target_parameters: list[str] | None = _field(
-        None,
-        "Parameters to adapt by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), top-k per "
-        "neuron of each expert. None with target_modules None: the model's expert projections.",
-    )
-    layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
-    layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
-    selection: str = _field("magnitude", f"One of {STRATEGIES} (the paper: magnitude).")
-    selection_seed: int = _field(0, "Seed for 'random' and neuron_fraction, combined with each layer's name.")
-    neuron_fraction: float = _field(1.0, "Share of each layer's neurons, drawn with selection_seed, that is tuned.")
-    fan_in_fan_out: bool = _field(False, "True for (in, out) weights like GPT-2's Conv1D (detected and corrected).")
-    init_weights: bool = _field(True, "Zero deltas, so the model starts as its base (False: random ones, for tests).")
-    bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
-    delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
-    modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
-    strategies: ClassVar[tuple[str, ...]] = STRATEGIES  # the values `selection` takes
+class FieldChecks:
+    """Every field of a NeuroAda config checked by name before anything reads it (mixed in before `PeftConfig`):
+    loaded configs too, which peft builds from JSON."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = PeftType[METHOD_NAME.upper()]
         self._check_fields()
-        self.neuron_fraction = float(self.neuron_fraction)
-        for name in ("target_modules", "exclude_modules"):
-            if isinstance(getattr(self, name), list):
-                setattr(self, name, set(getattr(self, name)))
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
 
     def _check_fields(self) -> None:
         """Refuse a wrong field by name before anything reads it (loaded configs too: peft builds them from JSON)."""
@@ -169,3 +104,80 @@ def _is_none_or_names(value: object, *kinds: type) -> bool:
     return value is None or (
         isinstance(value, kinds) and (isinstance(value, str) or all(isinstance(v, str) for v in value))
     )
+
+
+def _field(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class NeuroAdaConfig(FieldChecks, PeftConfig):
+    """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
+    deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
+
+    Args:
+        k (`int`, *optional*, defaults to `1`):
+            Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
+        target_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names, a regex or 'all-linear'. None: the architecture's default projections (attention q/k/v/o,
+            MLP gate/up/down); an architecture without defaults must name them.
+        exclude_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names or a regex to leave untouched.
+        target_parameters (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Parameters adapted by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), k per
+            neuron of each expert. None with target_modules None: the model's expert projections.
+        layers_to_transform (`Optional[Union[list[int], int]]`, *optional*, defaults to `None`):
+            Layer indices to adapt (all when None).
+        layers_pattern (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            The name of the model's list of layers, with layers_to_transform.
+        selection (`str`, *optional*, defaults to `"magnitude"`):
+            How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
+        selection_seed (`int`, *optional*, defaults to `0`):
+            Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
+        neuron_fraction (`float`, *optional*, defaults to `1.0`):
+            Share of each layer's neurons that is tuned (the paper's coverage ablation).
+        fan_in_fan_out (`bool`, *optional*, defaults to `False`):
+            True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
+        init_weights (`bool`, *optional*, defaults to `True`):
+            Zero deltas, so the model starts as its base; False: random ones, for tests.
+        bias (`str`, *optional*, defaults to `"none"`):
+            Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
+        delta_dtype (`Optional[str]`, *optional*, defaults to `None`):
+            'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's `autocast_adapter_dtype`.
+        modules_to_save (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Extra modules trained fully and saved with the adapter.
+    """
+
+    k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
+    target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")
+    exclude_modules: list[str] | str | None = _field(None, "Module names or regex to leave untouched.")
+    target_parameters: list[str] | None = _field(
+        None,
+        "Parameters to adapt by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), top-k per "
+        "neuron of each expert. None with target_modules None: the model's expert projections.",
+    )
+    layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
+    layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
+    selection: str = _field("magnitude", f"One of {STRATEGIES} (the paper: magnitude).")
+    selection_seed: int = _field(0, "Seed for 'random' and neuron_fraction, combined with each layer's name.")
+    neuron_fraction: float = _field(1.0, "Share of each layer's neurons, drawn with selection_seed, that is tuned.")
+    fan_in_fan_out: bool = _field(False, "True for (in, out) weights like GPT-2's Conv1D (detected and corrected).")
+    init_weights: bool = _field(True, "Zero deltas, so the model starts as its base (False: random ones, for tests).")
+    bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
+    delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
+    modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
+    strategies: ClassVar[tuple[str, ...]] = STRATEGIES  # the values `selection` takes
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = PeftType[METHOD_NAME.upper()]
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}).")
+        if not 0 < self.neuron_fraction <= 1:
+            raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
+        self.neuron_fraction = float(self.neuron_fraction)
+        for name in ("target_modules", "exclude_modules"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, set(getattr(self, name)))
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")

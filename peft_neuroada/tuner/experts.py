@@ -19,12 +19,11 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import products
 from .config import PREFIX, NeuroAdaConfig
-from .forward import merged_copy
+from .forward import Placement, entry_index, transformed, write_placed_
 from .guards import GuardedLayer
 from .layer import NeuroAdaLayer
-from .placement import Placement, entry_index, write_placed_
+from .merged_copy import merged_copy
 
 # MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
 EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -187,7 +186,7 @@ class _DeltasAdded(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         oriented = weight.transpose(-2, -1) if self.transposed else weight
-        if torch.is_grad_enabled() and not any(map(products.transformed, (weight, *self.deltas))):
+        if torch.is_grad_enabled() and not any(map(transformed, (weight, *self.deltas))):
             copy = _AddedAtPlacements.apply(oriented, self.placements, *self.deltas)
         else:  # plain torch operations: forward-mode AD differentiates them
             copy = merged_copy(oriented, self.placements, self.deltas)

@@ -18,7 +18,7 @@ import torch
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from .placement import Placement
+from .forward import Placement
 from .selection import INDEX_DTYPE as BUFFER_DTYPE
 from .selection import STRATEGIES
 

@@ -17,11 +17,12 @@ from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from peft.utils.integrations import gather_params_ctx
 from torch import nn
 
-from . import forward, products
+from . import forward
 from .config import DTYPES, NeuroAdaConfig
+from .forward import Placement, placed_entries, write_placed_
 from .guards import GuardedLayer
+from .merged_copy import MergedCopyForward
 from .mixed_batch import MixedBatchLinear
-from .placement import Placement, placed_entries, write_placed_
 from .quantized_merge import Offloaded, QuantizedMerge
 from .selection import INDEX_DTYPE, layer_generator, select_inputs, select_neurons
 
@@ -29,14 +30,12 @@ from .selection import INDEX_DTYPE, layer_generator, select_inputs, select_neuro
 _TEST_INIT_STD = 0.05
 LOAD_WEIGHTS_HINT = (
     "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
-    "CPU/disk offloading (for a model too large for your GPU, load it quantized, or load it on the CPU, add the "
-    "adapter, and then offload the PeftModel with accelerate's dispatch_model, cpu_offload or disk_offload)."
+    "offloading (or load it quantized, or on the CPU), add the adapter, and then offload the PeftModel (accelerate)."
 )
 
 
 class QuantizedWeight:
-    """A quantized base layer's weight through peft's quantization backend (the layer's `get_base_weight`), seen as
-    its dequantized (d_out, d_in) float32 weight, which selection reads."""
+    """A quantized base layer's weight as selection reads it: dequantized by peft's backend (`get_base_weight`)."""
 
     dtype = torch.float32
 
@@ -63,10 +62,8 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights")
-    # The deltas' gradient, a function of tensors (`forward.SampledGrad`); a layer may be given a faster one.
-    sampled_grad = staticmethod(products.sampled_grad)
-    # Why a merged copy cannot stand in for the base layer's call (`forward.copy_refusal`'s signature).
-    copy_refusal = staticmethod(forward.copy_refusal)
+    # The forward's products, functions of tensors (`forward.Kernels`); a layer may be given faster ones.
+    kernels = forward.Kernels()
 
     def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
@@ -78,8 +75,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         # Per merged adapter, what unmerge writes back: the entries it overwrote.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
-        # peft's backend for a quantized base, as `get_layer_status` and the repr name it (None: a float weight, or a
-        # torchao one without its config, which peft's backend refuses: `quantized` says so where it is needed)
+        # peft's backend for a quantized base (None: a float weight, or torchao without its config: `quantized` asks)
         try:
             self.quantization_backend = self._resolved_backend()
         except ValueError:
@@ -234,8 +230,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     def unmerge(self) -> None:
         """Restore the exact original weight entries, most recently merged adapter first."""
         if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
-            return
+            return warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
         self.unmerge_to(0)
 
     def unmerge_to(self, count: int) -> None:
@@ -262,8 +257,8 @@ class NeuroAdaLayer(BaseTunerLayer):
 
 
 class LinearForward:
-    """How a NeuroAda linear layer runs its active adapters (`forward.adapted_linear`); extensions mixed in before it
-    add to it."""
+    """How a NeuroAda linear layer runs its active adapters (`forward.bypassed`); extensions mixed in before it add
+    to it."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
@@ -278,11 +273,19 @@ class LinearForward:
     def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
         placements = [self.placement(name) for name in adapters]
         deltas = [self.neuroada_delta[name] for name in adapters]
-        base, weight, funcs = self.get_base_layer(), self.weight_out_in(), (self.sampled_grad, self.copy_refusal)
-        return forward.adapted_linear(base, weight, x, placements, deltas, *funcs, *args, **kwargs)
+        return forward.bypassed(self.get_base_layer(), x, placements, deltas, self.kernels, *args, **kwargs)
 
 
-class Linear(MixedBatchLinear, GuardedLayer, QuantizedMerge, Offloaded, LinearForward, nn.Module, NeuroAdaLayer):
+class Linear(
+    MixedBatchLinear,
+    GuardedLayer,
+    QuantizedMerge,
+    Offloaded,
+    MergedCopyForward,
+    LinearForward,
+    nn.Module,
+    NeuroAdaLayer,
+):
     """NeuroAda around `nn.Linear` (weight d_out x d_in), transformers' `Conv1D` (weight d_in x d_out), or a quantized
     linear layer peft has a quantization backend for."""
 

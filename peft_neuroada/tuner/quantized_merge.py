@@ -20,7 +20,7 @@ import torch
 from accelerate.hooks import AlignDevicesHook
 from torch import nn
 
-from .placement import placed_entries, write_placed_
+from .forward import placed_entries, write_placed_
 
 FULL_PRECISION_HINT = (
     "To get a merged model in full precision, load the base model in float32/bfloat16 and call "

@@ -1,6 +1,7 @@
 """NeuroAda's own behaviour, beyond peft's generic tuner tests: which inputs each neuron tunes, merges that unmerge
-bit for bit, how the indices are stored and reloaded, and MoE experts reached through `target_parameters`. Every model
-is built here from a config, so nothing needs the Hub."""
+bit for bit, how the indices are stored and reloaded, the merged-copy path, MoE experts reached through
+`target_parameters`, mixed batches, offloading and quantized merges, and the guards on loaded indices. Every model is
+built here from a config, so nothing needs the Hub."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from peft import NeuroAdaConfig, PeftModel, get_peft_model
 from peft.import_utils import is_transformers_ge_v5
-from peft.tuners.neuroada import ParamWrapper
+from peft.tuners.neuroada.experts import ParamWrapper
 from peft.utils import infer_device
 
 
@@ -138,6 +139,32 @@ class TestNeuroAdaIndexStorage:
         assert torch.equal(delta.cpu(), reloaded.cpu())
 
 
+class TestNeuroAdaMergedCopy:
+    def test_the_copy_and_the_bypass_compute_what_the_merged_layer_computes_in_bf16(self):
+        model = neuroada_mlp(MLP(dtype=torch.bfloat16), k=3)
+        x = torch.randn(64, 16, dtype=torch.bfloat16, device=torch_device)
+        copied = model(x)  # with gradients: one matmul on the merged copy
+        with torch.no_grad():
+            bypassed = model(x[:4])  # few tokens without gradients: the base layer's output plus the deltas'
+            model.merge_adapter()
+            merged = model(x)
+        assert torch.equal(copied.detach(), merged)
+        assert torch.allclose(bypassed.float(), merged[:4].float(), atol=2e-2)
+
+    def test_the_deltas_get_the_dense_weight_gradient_at_their_entries(self):
+        model = neuroada_mlp(k=3)
+        layer = model.base_model.model.lin0
+        x = torch.randn(8, 16, device=torch_device)
+        model(x).square().sum().backward()
+        weight = (layer.get_base_layer().weight.detach() + layer.get_delta_weight("default")).requires_grad_()
+        hidden = torch.relu(torch.nn.functional.linear(x, weight, layer.get_base_layer().bias))
+        out = model.base_model.model.lin1(hidden)
+        out.square().sum().backward()
+        entries = tuned_entries(model).to(weight.device)
+        expected = weight.grad[entries].view(-1, 3)
+        assert torch.allclose(layer.neuroada_delta["default"].grad, expected, atol=1e-5)
+
+
 def tiny_moe() -> Qwen3MoeForCausalLM:
     """A Qwen3-MoE whose experts are 3-D parameters (transformers 5): 4 experts, 2 active per token."""
     config = Qwen3MoeConfig(
@@ -176,6 +203,55 @@ class TestNeuroAdaExperts:
         assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=1e-5)
         model.unmerge_adapter()
         assert bit_equal(weights(base), original)
+
+
+class TestNeuroAdaMixedBatches:
+    def test_each_row_gets_the_output_of_its_own_adapter(self):
+        model = neuroada_mlp(k=2)
+        model.add_adapter("other", NeuroAdaConfig(target_modules=["lin0"], k=3, init_weights=False))
+        model.eval()
+        x = torch.randn(3, 16, device=torch_device)
+        with torch.no_grad():
+            mixed = model(x, adapter_names=["default", "other", "__base__"])
+            expected = []
+            for row, name in enumerate(["default", "other"]):
+                model.set_adapter(name)
+                expected.append(model(x[row : row + 1]))
+            with model.disable_adapter():
+                expected.append(model(x[2:]))
+        assert torch.allclose(mixed, torch.cat(expected), atol=1e-6)
+
+
+class TestNeuroAdaOffload:
+    def test_an_adapter_offloaded_by_accelerate_computes_as_before(self):
+        from accelerate import cpu_offload
+
+        model = neuroada_mlp(k=2)
+        x = torch.randn(4, 16, device=torch_device)
+        with torch.no_grad():
+            expected = model(x)
+            cpu_offload(model, execution_device=torch_device, offload_buffers=True)
+            assert torch.allclose(model(x), expected, atol=1e-6)
+
+    def test_a_merge_into_4bit_weights_warns_and_unmerges_bit_for_bit(self, tmp_path):
+        pytest.importorskip("bitsandbytes")
+        from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+        LlamaForCausalLM(config).save_pretrained(tmp_path)
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+        base = LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map=torch_device)
+        model = get_peft_model(base, NeuroAdaConfig(k=2, init_weights=False))
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        stored = layer.get_base_layer().weight.detach().clone()
+        input_ids = torch.arange(8, device=torch_device).view(1, 8)
+        with torch.no_grad():
+            adapted = model(input_ids=input_ids).logits
+            with pytest.warns(UserWarning, match="rounding"):
+                model.merge_adapter()
+            assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=0.1)
+            model.unmerge_adapter()
+        assert torch.equal(layer.get_base_layer().weight.detach(), stored)
 
 
 def with_column(model, adapter_name: str, column: int) -> dict[str, torch.Tensor]:
