@@ -49,6 +49,8 @@ PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
 PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
 SERIES_DIR = REPO_ROOT / "docs" / "upstream" / "series"
 UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
+ISSUE_DOC = REPO_ROOT / "docs" / "upstream" / "issue.md"
+ALTERNATIVE = REPO_ROOT / "docs" / "upstream" / "supertuning-neuron.patch"
 MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
 TUNER_DIR = "src/peft/tuners/neuroada"
 # peft's ruff settings (its pyproject.toml), for what the build generates or moves.
@@ -800,15 +802,33 @@ def count_texts(patch: str, series: dict[str, str]) -> dict[str, str]:
             + f". Counted the same way, peft {version('peft')}'s {', '.join(peers)}."
         ),
         "series": series_table(series),
+        "sizes": sizes_text(series),
     }
 
 
+def sizes_text(series: dict[str, str]) -> str:
+    """The two ways in, by size, for the coordination issue."""
+    counts = [patch_counts(patch) for patch in series.values()]
+    alternative = patch_counts(ALTERNATIVE.read_text())
+    in_tests = len(re.findall(r"(?m)^\+(?!\+\+)", ALTERNATIVE.read_text().split("diff --git a/tests/", 1)[1]))
+    core, follow_ups = counts[0], counts[1:]
+    return (
+        f"The alternative adds {alternative['added']:,} lines ({alternative['added'] - in_tests:,} in Super-Tuning's "
+        f"tuner, {in_tests:,} in its tests). The series' core adds {core['added']:,} lines ({core['tuner']:,} in the "
+        "tuner; the rest its tests, peft's test-table rows, a docs page, an example and two method_comparison "
+        f"experiments), and its {len(follow_ups)} follow-ups {sum(c['added'] for c in follow_ups):,} more "
+        f"({sum(c['tuner'] for c in follow_ups):,} in the tuner)."
+    )
+
 def with_counts(doc: str, patch: str, series: dict[str, str]) -> str:
-    """`doc` (docs/upstream.md) with every marked block holding what count_texts says for `patch` and `series`."""
+    """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch` and
+    `series` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
     for name, text in count_texts(patch, series).items():
         pattern = re.compile(rf"(<!-- counts:{name} -->\n).*?(<!-- /counts:{name} -->)", re.DOTALL)
+        if not pattern.findall(doc):
+            continue
         if len(pattern.findall(doc)) != 1:
-            raise ValueError(f"{UPSTREAM_DOC.name} has no single block marked counts:{name}")
+            raise ValueError(f"a page marks counts:{name} more than once")
         if not text.startswith("|"):
             text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
         doc = pattern.sub(lambda match, text=text: match[1] + text + "\n" + match[2], doc)
@@ -840,25 +860,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     release = default_release()
     patch, series = build_patch(release), build_series(release)
-    doc = UPSTREAM_DOC.read_text()
-    counted = with_counts(doc, patch, series)
     wanted = {PATCH: patch, **{SERIES_DIR / name: text for name, text in series.items()}}
+    wanted |= {page: with_counts(page.read_text(), patch, series) for page in (UPSTREAM_DOC, ISSUE_DOC)}
     if args.check:
         stale = [path for path, text in wanted.items() if not (path.exists() and path.read_text() == text)]
-        stale += [] if doc == counted else [UPSTREAM_DOC]
         stale += sorted(set(SERIES_DIR.glob("*.patch")) - set(wanted))
-        for path in [*wanted, UPSTREAM_DOC]:
+        for path in wanted:
             print(f"{path.relative_to(REPO_ROOT)} is {'stale' if path in stale else 'up to date'}")
         return int(bool(stale))
     SERIES_DIR.mkdir(parents=True, exist_ok=True)
     for path in set(SERIES_DIR.glob("*.patch")) - set(wanted):
         path.unlink()
     for path, text in wanted.items():
-        path.write_text(text)
-        print(f"wrote {path.relative_to(REPO_ROOT)}: {len(text.splitlines())} lines, {len(text.encode())} bytes")
-    if counted != doc:
-        UPSTREAM_DOC.write_text(counted)
-        print(f"wrote the counts in {UPSTREAM_DOC.relative_to(REPO_ROOT)}")
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(REPO_ROOT)}: {len(text.splitlines())} lines, {len(text.encode())} bytes")
     for reference in project_references(patch):
         print(f"names this project, which peft does not hold: {reference}")
     return 0

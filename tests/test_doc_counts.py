@@ -17,11 +17,13 @@ REPEATED_COUNTS = r"\b\d[\d,]* added lines|\b\d+ (?:BaseTuner )?overrides|\b\d[\
 
 
 def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch):
-    doc = UPSTREAM_DOC.read_text()
     series = {name: (upstream_patch.SERIES_DIR / name).read_text() for name in upstream_patch.series_names()}
-    assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text(), series) == doc, (
-        "stale: run `python benchmarks/upstream_patch.py`"
-    )
+    for page in (UPSTREAM_DOC, upstream_patch.ISSUE_DOC):
+        doc = page.read_text()
+        assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text(), series) == doc, (
+            f"stale {page.name}: run `python benchmarks/upstream_patch.py`"
+        )
+    assert "<!-- counts:sizes -->" in upstream_patch.ISSUE_DOC.read_text()
 
 
 def test_the_override_table_gives_a_reason_for_every_override(upstream_patch):

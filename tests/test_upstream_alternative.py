@@ -7,6 +7,7 @@ Hub, which is not reachable here.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,7 +20,15 @@ from peft import get_peft_model
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.supertuning_format import to_supertuning
 from tests.conftest import tiny_llama
-from tests.test_peft_upstream_suite import apply_patch, extracted, without_the_plugin
+from tests.test_peft_upstream_suite import (
+    HUB_ONLY,
+    STAND_INS,
+    TRANSFORMERS_DEPRECATIONS,
+    apply_patch,
+    extracted,
+    hub_cache,
+    without_the_plugin,
+)
 
 PATCH = Path(__file__).resolve().parents[1] / "docs" / "upstream" / "supertuning-neuron.patch"
 RUNS = {
@@ -41,6 +50,7 @@ def test_the_patch_changes_super_tuning_and_its_tests_only():
         "src/peft/tuners/supertuning/config.py",
         "src/peft/tuners/supertuning/layer.py",
         "tests/test_custom_models.py",
+        "tests/test_decoder_models.py",
         "tests/test_supertuning.py",
     ]
 
@@ -59,6 +69,34 @@ def test_the_patched_super_tuning_passes_in_peft_without_the_plugin(patched_rele
             [*command, "--collect-only"], capture_output=True, text=True, cwd=patched_release, env=env
         )
         assert "per neuron" in listed.stdout or "per_neuron" in listed.stdout
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> Path:
+    return hub_cache(tmp_path_factory.mktemp("hub"))
+
+
+def test_super_tuning_s_decoder_rows_pass_on_the_local_llama_stand_in(patched_release, stand_ins, tmp_path):
+    """Super-Tuning's rows of peft's decoder table, the new per-neuron row among them, on the Llama stand-in that
+    tests/test_peft_upstream_suite.py builds for peft's tiny Hub model (the other models need the Hub)."""
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "peft_tree_plugin.py").write_text(Path(__file__).with_name("peft_tree_plugin.py").read_text())
+    env = {
+        **without_the_plugin(patched_release, tmp_path, plugin),
+        "HF_HUB_CACHE": str(stand_ins),
+        "NEUROADA_STAND_INS": json.dumps([model_id for model_id, _ in STAND_INS.values()]),
+        "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
+        "NEUROADA_REPORT": str(tmp_path / "report.json"),
+    }
+    command = [sys.executable, "-m", "pytest", "tests/test_decoder_models.py", "-k", "Supertuning", "-q"]
+    command += ["-p", "peft_tree_plugin", "-p", "no:cacheprovider", "-o", "addopts="]
+    command += [f"-W=ignore:{message}:FutureWarning" for message in TRANSFORMERS_DEPRECATIONS]
+    completed = subprocess.run(command, capture_output=True, text=True, cwd=patched_release, env=env, timeout=900)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", completed.stdout)[1])
+    rows = (patched_release / "tests" / "test_decoder_models.py").read_text().count('"selection": "neuron"')
+    assert rows == 1 and passed >= 30, completed.stdout[-1000:]
 
 
 def test_upstream_md_states_the_patchs_size():

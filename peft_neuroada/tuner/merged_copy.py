@@ -1,9 +1,10 @@
 """The merged-copy path: where a transient `W + Σ P ⊙ Θ` can stand in for the base layer's call (`copy_refusal`),
 one matmul on it (`MergedCopyLinear`), with the deltas rounded into the weight's dtype as a merge and the official code
 round them, made again in backward: the input gradient is the frozen layer's own matmul, the deltas' gradient the dense
-weight gradient sampled at their positions. Measured faster than the bypass alone on the GPU's arithmetic and on the
-CPU (docs/performance.md). Where the copy cannot stand in, the bypass adds the deltas as the copy would round them
-(`rounded_deltas`), so both paths compute the same. `MergedCopyForward` (mixed in before `LinearForward`) takes it.
+weight gradient sampled at their positions. It is there for speed where a batch of tokens trains: one dense matmul
+instead of the base layer's plus the sparse products. Where the copy cannot stand in, the bypass adds the deltas as
+the copy would round them (`rounded_deltas`), so both paths compute the same. `MergedCopyForward` (mixed in before
+`LinearForward`) takes it.
 """
 
 from __future__ import annotations

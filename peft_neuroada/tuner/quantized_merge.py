@@ -35,6 +35,8 @@ class QuantizedMerge:
 
     def requantize_refusal(self, quantized: Any) -> str | None:
         """Why the merged weight cannot be quantized again (None: it can)."""
+        if getattr(getattr(quantized.base.weight, "quant_state", None), "packing_format_for_cpu", False):
+            return "bitsandbytes packed this 4-bit weight for CPU inference, a layout it reads back only approximately"
         return None if quantized.backend.supports_merge else f"peft cannot requantize {quantized.kind} weights"
 
     def snapshot(self, quantized: Any) -> Callable[[], None]:

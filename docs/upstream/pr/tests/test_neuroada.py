@@ -242,15 +242,18 @@ class TestNeuroAdaOffload:
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
         base = LlamaForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map=torch_device)
         model = get_peft_model(base, NeuroAdaConfig(k=2, init_weights=False))
+        # bitsandbytes packs 4-bit weights for inference on some CPUs, which the merge then refuses
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
         layer = model.base_model.model.model.layers[0].self_attn.q_proj
         stored = layer.get_base_layer().weight.detach().clone()
         input_ids = torch.arange(8, device=torch_device).view(1, 8)
-        with torch.no_grad():
-            adapted = model(input_ids=input_ids).logits
-            with pytest.warns(UserWarning, match="rounding"):
-                model.merge_adapter()
-            assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=0.1)
-            model.unmerge_adapter()
+        adapted = model(input_ids=input_ids).logits.detach()
+        with pytest.warns(UserWarning, match="rounding"):
+            model.merge_adapter()
+        assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=0.1)
+        model.unmerge_adapter()
         assert torch.equal(layer.get_base_layer().weight.detach(), stored)
 
 
