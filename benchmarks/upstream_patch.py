@@ -820,6 +820,7 @@ def sizes_text(series: dict[str, str]) -> str:
         f"({sum(c['tuner'] for c in follow_ups):,} in the tuner)."
     )
 
+
 def with_counts(doc: str, patch: str, series: dict[str, str]) -> str:
     """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch` and
     `series` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
