@@ -752,12 +752,15 @@ def stage_overrides(stage: int) -> list[str]:
 
 
 def series_table(series: dict[str, str]) -> str:
-    """The series as a table: per patch, what it adds, its lines and the tuner's size and overrides after it."""
-    rows = ["| patch | adds | added lines (tuner) | tuner after it | BaseTuner overrides beyond the required one |"]
+    """The series as a table: per patch, what it adds, its added lines, and the tuner's lines (license headers
+    included) and overrides after it."""
+    rows = [
+        "| patch | adds | added lines (tuner) | tuner lines after it | BaseTuner overrides beyond the required one |"
+    ]
     rows.append("|---|---|---:|---:|---|")
-    tuner = 0
     for stage, (name, patch) in enumerate(series.items()):
-        counts, tuner = patch_counts(patch), tuner + patch_counts(patch)["tuner"]
+        counts = patch_counts(patch)
+        tuner = sum(len(text.splitlines()) for text in peft_style(tuner_files(stage)).values())
         extra = [f"`{method}`" for method in stage_overrides(stage) if method != "_create_and_replace"]
         row = f"| `{name}` | {SERIES[stage].title} | {counts['added']:,} ({counts['tuner']:,}) | {tuner:,} |"
         rows.append(f"{row} {len(extra)}: {', '.join(extra) or 'none'} |")
