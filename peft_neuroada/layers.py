@@ -1,8 +1,10 @@
 """The plugin's NeuroAda layers: the tuner's, with the plugin's guard rails.
 
 On top of the tuner's layers they keep each adapter's placement for reuse and check its indices whenever they change
-(before a sparse kernel or a merge reads them), serve mixed batches per thread (a context variable where peft's
-forward hooks would reach every thread's calls), and read quantized weights a block of rows at a time.
+(before a sparse kernel or a merge reads them), keep only the input columns k=1's deltas read for backward (found once
+per kept placement), run the CPU's sparse products, refuse the merged copy while global module hooks are registered,
+serve mixed batches per thread (a context variable where peft's forward hooks would reach every thread's calls), and
+read quantized weights a block of rows at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from .weighted_adapters import WeightedLayer
 # one never read the context variable.
 _MIXED_BATCH: ContextVar[MixedBatch | None] = ContextVar("neuroada_mixed_batch", default=None)
 _SERVING: list[object] = []
+# Backward keeps only the input columns the deltas read when they are at most this share of the input.
+COMPACT_INPUT_MAX_SHARE = 0.5
 # torch's registries of global module hooks (no public API tells whether one is registered): the copy path skips the
 # base layer's call, so it must know whether a global hook would have seen it.
 _GLOBAL_HOOKS = (
@@ -118,7 +122,7 @@ class PluginLayer(WeightedLayer):
                         "or written: load the adapter again from its saved files (PeftModel.from_pretrained / "
                         "load_adapter) on the base model it was trained on."
                     )
-                kept = (buffer, rows, state, Placement(buffer, rows).prepared(self.in_features))
+                kept = (buffer, rows, state, with_read_columns(Placement(buffer, rows).prepared(), self.in_features))
             if kept[3].neurons is not None:  # prepared: nothing in it was made under a torch.func transform
                 placements[adapter_name] = kept
         return kept[3]
@@ -193,6 +197,18 @@ class ParamWrapper(PluginLayer, experts.ParamWrapper):
     def _deltas_added(self, adapters: list[str]):
         with self._call_lock, super()._deltas_added(adapters):
             yield
+
+
+def with_read_columns(placement: Placement, d_in: int) -> Placement:
+    """`placement` with the input columns its deltas read (`read`, sorted; `read_cols`: `cols` as positions among
+    them) when they are at most `COMPACT_INPUT_MAX_SHARE` of the input (k=1 reads a small share of most layers'
+    inputs), so backward keeps only those columns. Found once per kept placement: `unique` waits on the device."""
+    if placement.neurons is None or placement.cols.numel() > 2 * d_in:  # (not prepared: made under a transform)
+        return placement
+    used, local = torch.unique(placement.cols.reshape(-1).long(), return_inverse=True)
+    if used.numel() > COMPACT_INPUT_MAX_SHARE * d_in:
+        return placement
+    return placement._replace(read=used, read_cols=local.to(placement.cols.dtype).view(placement.cols.shape))
 
 
 def _versioned(container: BufferDict, name: str) -> torch.Tensor | None:

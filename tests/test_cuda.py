@@ -144,7 +144,7 @@ def test_the_merged_copy_on_cuda_is_the_accumulating_writes_bits():
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 48, generator=generator).to("cuda", torch.bfloat16)
     cols = torch.stack([torch.randperm(48, generator=generator)[:6] for _ in range(64)]).int().cuda()
-    placements = [Placement(cols).prepared(48), Placement(cols[::2, :2].clone(), torch.arange(0, 64, 2).int().cuda())]
+    placements = [Placement(cols).prepared(), Placement(cols[::2, :2].clone(), torch.arange(0, 64, 2).int().cuda())]
     deltas = [torch.randn(64, 6, device="cuda") * 1e-2, torch.randn(32, 2, device="cuda").bfloat16()]
     expected = weight.clone()
     for placement, delta in zip(placements, deltas, strict=True):

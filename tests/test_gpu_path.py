@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import get_peft_model
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.accel import sparse_products
 from peft_neuroada.tuner import forward
 from peft_neuroada.tuner.forward import Placement, entry_index
+from peft_neuroada.tuner.layer import Linear
 from peft_neuroada.tuner.merged_copy import merged_copy
 from tests.conftest import neuroada_layers, tiny_llama
 
@@ -109,7 +111,7 @@ def test_the_merged_copy_is_the_accumulating_writes_bits_overlapping_adapters_in
     generator = torch.Generator().manual_seed(2)
     full = Placement(torch.stack([torch.randperm(40, generator=generator)[:5] for _ in range(24)]).int())
     some = Placement(full.cols[::2, :3].clone(), torch.arange(0, 24, 2, dtype=torch.int32))  # shares entries
-    placements = [p.prepared(40) if prepared else p for p in (full, some)]
+    placements = [p.prepared() if prepared else p for p in (full, some)]
     deltas = [torch.randn(24, 5, generator=generator) * 1e-2, torch.randn(12, 3, generator=generator).to(dtype)]
     got = merged_copy(weight, placements, deltas)
     assert torch.equal(got, _accumulated(weight, placements, deltas))
@@ -134,8 +136,8 @@ WAITS_ON_THE_DEVICE = re.compile(r"^_?(unique\w*|nonzero\w*|_local_scalar_dense|
 
 @pytest.mark.parametrize("k", [1, 20])
 def test_a_training_steps_forward_and_backward_ask_the_device_for_nothing(k, token_batch) -> None:
-    """Compaction at k=1 reads `unique` once per placement, not per call (`Placement.prepared`); the optimizer's
-    step, whose CPU implementation reads its step count, is not the tuner's."""
+    """Compaction at k=1 reads `unique` once per kept placement, not per call (`layers.with_read_columns`); the
+    optimizer's step, whose CPU implementation reads its step count, is not the tuner's."""
     model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=k))
     compacted = [layer.placement("default").read is not None for layer in neuroada_layers(model)]
     assert (k == 1) == any(compacted), "k=1 compacts some layers' inputs, k=20 none"
@@ -144,6 +146,23 @@ def test_a_training_steps_forward_and_backward_ask_the_device_for_nothing(k, tok
         model(input_ids=token_batch, labels=token_batch).loss.backward()
     waits = {name: count for name, count in calls.counts.items() if WAITS_ON_THE_DEVICE.match(name)}
     assert not waits, waits
+
+
+@pytest.mark.parametrize("k", [1, 20])
+def test_the_tuner_alone_asks_the_device_for_nothing_in_a_step_either(k) -> None:
+    """The tuner's own layers, as peft would hold them (no placement kept between calls, no compaction), on the merged
+    copy and on the bypass."""
+    torch.manual_seed(0)
+    layer = Linear(nn.Linear(48, 40).requires_grad_(False), "default", NeuroAdaConfig(k=k, init_weights=False))
+    x = torch.randn(2, 40, 48, requires_grad=True)
+    hooked = Linear(nn.Linear(48, 40).requires_grad_(False), "default", NeuroAdaConfig(k=k, init_weights=False))
+    hooked.get_base_layer().register_forward_hook(lambda module, args, out: None)  # the bypass
+    for adapted in (layer, hooked):
+        adapted(x).square().sum().backward()
+        with _Calls() as calls:
+            adapted(x).square().sum().backward()
+        waits = {name: count for name, count in calls.counts.items() if WAITS_ON_THE_DEVICE.match(name)}
+        assert not waits, waits
 
 
 def test_a_neuroada_step_calls_no_more_operators_per_adapted_layer_than_loras_at_the_same_budget() -> None:

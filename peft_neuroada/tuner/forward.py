@@ -16,9 +16,6 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 
-# Backward keeps only the input columns the deltas read when they are at most this share of the input.
-COMPACT_INPUT_MAX_SHARE = 0.5
-
 
 def transformed(t: torch.Tensor) -> bool:
     """Whether a `torch.func` transform wraps `t` or forward-mode AD follows it; traced, False: dynamo handles
@@ -33,9 +30,9 @@ class Placement(NamedTuple):
     `rows[i]`, or of neuron `i` when every neuron is tuned (`rows` is None). A named tuple: `torch.func` transforms
     find its tensors among an autograd Function's arguments.
 
-    `prepared` adds what every call would otherwise derive again, some of it only by waiting on the device (`unique`):
-    `neurons`, the (n, 1) neuron of each row of deltas, and, when the deltas read at most `COMPACT_INPUT_MAX_SHARE`
-    of the inputs, `read` (those input columns, sorted) and `read_cols` (`cols` as positions among them)."""
+    `prepared` adds `neurons`, the (n, 1) neuron of each row of deltas. A layer that keeps its placements between
+    calls may add `read` (the input columns the deltas read, sorted) and `read_cols` (`cols` as positions among
+    them): backward then keeps only those columns of the input (`input_for_backward`)."""
 
     cols: torch.Tensor
     rows: torch.Tensor | None = None
@@ -43,17 +40,12 @@ class Placement(NamedTuple):
     read: torch.Tensor | None = None
     read_cols: torch.Tensor | None = None
 
-    def prepared(self, d_in: int) -> Placement:
-        """This placement with `neurons`, `read` and `read_cols` computed (itself where a graph is traced or a
-        `torch.func` transform is running: tensors made under it would not outlive it)."""
+    def prepared(self) -> Placement:
+        """This placement with `neurons` computed (itself where a graph is traced or a `torch.func` transform is
+        running: tensors made under it would not outlive it)."""
         if torch.compiler.is_compiling() or transformed(neurons := _neurons(self)):
             return self
-        read = read_cols = None
-        if self.cols.numel() <= 2 * d_in:
-            used, local = unique_columns(self.cols)
-            if used.numel() <= COMPACT_INPUT_MAX_SHARE * d_in:
-                read, read_cols = used, local
-        return self._replace(neurons=neurons, read=read, read_cols=read_cols)
+        return self._replace(neurons=neurons)
 
     def copy(self, device: torch.device | None = None) -> Placement:
         """A copy owning its indices (a merge's record must not follow later writes); with `device`, moved there."""
@@ -66,12 +58,6 @@ def _neurons(placement: Placement) -> torch.Tensor:
     cols = placement.cols
     rows = torch.arange(cols.shape[0], device=cols.device) if placement.rows is None else placement.rows.long()
     return rows[:, None]
-
-
-def unique_columns(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted distinct input columns `cols` reads, and `cols` as positions among them (in cols' dtype)."""
-    used, local = torch.unique(cols.reshape(-1).long(), return_inverse=True)
-    return used, local.to(cols.dtype).view(cols.shape)
 
 
 def entry_index(weight: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, ...]:
@@ -156,9 +142,9 @@ def _flatten(t: torch.Tensor) -> torch.Tensor:
 
 
 def input_for_backward(x: torch.Tensor, placements: Sequence[Placement]) -> tuple[torch.Tensor | None, list]:
-    """What backward keeps of the input for the deltas' gradients: for one adapter whose deltas read few of the input
-    columns (k=1 reads a small share of most layers' inputs; `Placement.prepared`), those columns, with the placement
-    re-indexed into them; else None, for the whole input. A tracked `index_select` outside the Functions: higher
+    """What backward keeps of the input for the deltas' gradients: for one adapter whose placement names the columns
+    its deltas read (`Placement.read`), those columns, with the placement re-indexed into them; else None, for the
+    whole input. A tracked `index_select` outside the Functions: higher
     orders see the deltas' gradient depend on the input."""
     if len(placements) == 1 and placements[0].read is not None:
         placement = placements[0]

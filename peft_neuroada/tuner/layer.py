@@ -171,7 +171,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         """Where the adapter's deltas sit: its (n, k) columns and its rows."""
         buffer = self.neuroada_indices[adapter_name]
         rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        return Placement(buffer, rows).prepared(self.in_features)
+        return Placement(buffer, rows).prepared()
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
