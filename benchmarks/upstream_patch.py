@@ -282,13 +282,15 @@ MIXED_MODULES_TO_SAVE = "            NeuroAdaConfig,\n"
 
 
 def transformers_case(task_type: str, targets: list[str] | None) -> str:
-    """A row of the transformers-model tables: k=2 on the default targets (or `targets` where the tables' models
+    """A row of the transformers-model tables: k=2, random deltas (as Super-Tuning's rows: merge and disable tests then
+    compare outputs that differ), on the default targets (or `targets` where the tables' models
     include architectures without a NeuroAda default)."""
     return f"""\
     (
         NeuroAdaConfig,
         {{
             "k": 2,
+            "init_weights": False,
             "task_type": "{task_type}",
             "target_modules": {"None" if targets is None else json.dumps(targets)},
         }},
@@ -570,7 +572,8 @@ def pr_files(stage: int = len(SERIES) - 1) -> dict[str, str]:
     tests = "tests/test_neuroada.py"
     files[tests] = without_definitions(files[tests], {name for s in later(stage) for name in s.tests})
     for name, k in EXPERIMENTS.items():
-        files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = experiment_config(k)
+        config = experiment_config(k, {field for s in later(stage) for field in s.fields})
+        files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = config
     return files
 
 
@@ -578,14 +581,17 @@ EXPERIMENTS_DIR = "method_comparison/MetaMathQA/experiments/neuroada"
 EXPERIMENTS = {"llama-3.2-3B-k1": 1, "llama-3.2-3B-k20": 20}
 
 
-def experiment_config(k: int) -> str:
-    """A NeuroAda adapter_config.json for Llama-3.2-3B (the paper's seven projections, peft's benchmark's task)."""
+def experiment_config(k: int, absent: set[str] = frozenset()) -> str:
+    """A NeuroAda adapter_config.json for Llama-3.2-3B (the paper's seven projections, peft's benchmark's task),
+    without the `absent` fields (those a later patch adds)."""
     from peft_neuroada.tuner.config import NeuroAdaConfig
 
     targets = tuner_mapping()[0]["llama"]
     config = NeuroAdaConfig(k=k, target_modules=list(targets), task_type="CAUSAL_LM").to_dict()
     config.pop("peft_version", None)  # peft adds the running version when it saves
-    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    config = {
+        key: sorted(value) if isinstance(value, set) else value for key, value in config.items() if key not in absent
+    }
     return json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
 
 

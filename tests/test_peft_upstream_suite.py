@@ -324,6 +324,25 @@ def test_hub_model_tests_hold_neuroada_cases_for_every_model(peft_run, patched_t
         assert sum(model_id in case for case in collected) >= 10, model_id
 
 
+def test_every_model_peft_tests_on_default_targets_has_neuroada_defaults(upstream_patch, patched_tree):
+    """The decoder and sequence-classification rows use `target_modules=None`: every model those files list (on
+    peft's CI, from the Hub) must be an architecture the mapping knows, or its cases fail with BaseTuner's refusal."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    mapping = upstream_patch.tuner_mapping()[0]
+    for file, classes in (
+        ("tests/test_decoder_models.py", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        ("tests/test_seq_classifier.py", MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+    ):
+        for model_id in models_tested(patched_tree / file):
+            name = model_id.rsplit("/", 1)[1]
+            types = {kind for kind, cls in classes.items() if cls in name or name.endswith(f"-{kind}")}
+            assert types & mapping.keys(), (file, model_id, types)
+
+
 @pytest.mark.parametrize("file", STAND_INS)
 def test_hub_model_tests_run_neuroada_cases_on_a_local_stand_in(peft_run, patched_tree, file):
     model_id = STAND_INS[file][0]

@@ -29,6 +29,8 @@ TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
         ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *LLAMA_STYLE_TARGETS[4:]],
     ),
     "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+    "gptj": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],
     **dict.fromkeys(("bert", "roberta"), ["query", "key", "value", "dense"]),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one dtype table
@@ -175,9 +177,18 @@ class NeuroAdaConfig(FieldChecks, PeftConfig):
             raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}).")
         if not 0 < self.neuron_fraction <= 1:
             raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
+        if self.selection not in self.strategies or (self.delta_dtype is not None and self.delta_dtype not in DTYPES):
+            raise ValueError(
+                f"NeuroAdaConfig.selection must be one of {self.strategies} and delta_dtype one of {sorted(DTYPES)} "
+                f"or None (got {self.selection!r}, {self.delta_dtype!r})."
+            )
         self.neuron_fraction = float(self.neuron_fraction)
         for name in ("target_modules", "exclude_modules"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, set(getattr(self, name)))
         if self.layers_pattern and self.layers_to_transform is None:
             raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
+        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
+            raise ValueError(
+                "NeuroAdaConfig.layers_to_transform cannot be used when target_modules is a str (a regex)."
+            )

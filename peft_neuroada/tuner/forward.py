@@ -1,10 +1,11 @@
 """Where an adapter's deltas sit in a weight (`Placement`; reading and writing exactly those entries makes merge and
 unmerge exact), and how a NeuroAda linear layer computes `y = base(x) + Σ (P ⊙ Θ) x`: the base layer's own call (its
 hooks, arguments and quantized weights included) plus the adapters' sparse products (`SparseBypass`), which never form
-a dense weight, delta or weight gradient. The products are functions of tensors (`Kernels`) a layer may be given faster
-versions of; here they are plain torch, in float32 (float64 where an operand is). Backward keeps the input (or, for
-deltas reading few of its columns, those columns) and the deltas, nothing of the weight's size; gradients are exact at
-every order. Without gradients, under forward-mode AD or a `torch.func` transform: plain torch operations.
+a dense weight or delta; the deltas' gradient here is the tuned neurons' dense weight gradient in float32, gathered at
+the placement and freed. The products are functions of tensors (`Kernels`) a layer may be given faster versions of;
+here they are plain torch, in float32 (float64 where an operand is). Backward keeps the input (or, for deltas reading
+few of its columns, those columns) and the deltas, nothing of the weight's size; gradients are exact at every order.
+Without gradients, under forward-mode AD or a `torch.func` transform: plain torch operations.
 """
 
 from __future__ import annotations

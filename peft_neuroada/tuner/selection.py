@@ -7,7 +7,6 @@ import zlib
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 _MAX_BLOCK_ELEMENTS = 1 << 24
 # How a layer keeps its selected columns, one (n, k) tensor per adapter, saved as held (as Super-Tuning keeps its
@@ -48,7 +47,7 @@ def select_inputs(
     """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending (another score, such as summed
     gradients, goes in as `weight`); a quantized layer comes as its dequantized view, read in float32 blocks."""
     score_of = _SCORES[strategy]
-    if isinstance(weight, DTensor):  # sharded (e.g. tensor parallel): select on the gathered rows
+    if hasattr(weight, "full_tensor"):  # a DTensor, sharded (e.g. tensor parallel): select on the gathered rows
         weight = weight.full_tensor()
     generator = generator if generator is not None else torch.Generator().manual_seed(0)
     d_out, d_in = weight.shape
