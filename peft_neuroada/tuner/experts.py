@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from .config import PREFIX, NeuroAdaConfig
 from .forward import Placement, entry_index, transformed, write_placed_
 from .guards import GuardedLayer
-from .layer import NeuroAdaLayer
+from .layer import LinearForward, NeuroAdaLayer
 from .merged_copy import merged_copy
 
 # MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
@@ -69,7 +69,7 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
     )
 
 
-class ParamWrapper(GuardedLayer, nn.Module, NeuroAdaLayer):
+class ParamWrapper(GuardedLayer, LinearForward, nn.Module, NeuroAdaLayer):
     """NeuroAda on one parameter (`parameter_name`) of `base_layer`, a 3-D expert stack or a 2-D weight. Named as
     LoRA's: peft finds a parameter's wrapper by this class name. Several parameters of a module nest one each."""
 
@@ -135,22 +135,16 @@ class ParamWrapper(GuardedLayer, nn.Module, NeuroAdaLayer):
         """A tensor shaped like the parameter, seen as `weight_out_in` sees the parameter."""
         return tensor.transpose(-2, -1) if self._transposed() else tensor
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        active = [name for name in self.active_adapters if name in self.neuroada_delta]
-        if self.merged or not active:
-            return self.base_layer(x, *args, **kwargs)
-        if self.get_param().is_meta or any(self.neuroada_delta[name].is_meta for name in active):
+    def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> Any:
+        """The base module's own call on its parameter with the active adapters' deltas added."""
+        if self.get_param().is_meta or any(self.neuroada_delta[name].is_meta for name in adapters):
             raise ValueError(
                 f"NeuroAda expert weights ('{self.layer_name}') cannot run offloaded by accelerate (cpu_offload, "
                 "disk_offload, a device_map with offloaded modules): their deltas are added to the experts' "
                 "parameter, which offloading replaces. Nothing was computed. Merge first and offload the plain model "
                 "(`model.merge_and_unload()`), or keep the MoE layers in memory."
             )
-        with self._deltas_added(active):
+        with self._deltas_added(adapters):
             return self.base_layer(x, *args, **kwargs)
 
     @contextmanager

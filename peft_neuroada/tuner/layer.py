@@ -257,8 +257,9 @@ class NeuroAdaLayer(BaseTunerLayer):
 
 
 class LinearForward:
-    """How a NeuroAda linear layer runs its active adapters (`forward.bypassed`); extensions mixed in before it add
-    to it."""
+    """How a NeuroAda layer runs its active adapters: `forward` chooses between the base layer and `_adapted`, which
+    for a linear layer is `forward.bypassed` (a parameter wrapper has its own); extensions mixed in before it add to
+    it."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:
