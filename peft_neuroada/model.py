@@ -6,10 +6,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
-from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
@@ -27,6 +25,7 @@ from .tuner import model as tuner_model
 from .tuner.config import LLAMA_STYLE_TARGETS
 from .tuner.experts import expert_projections
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
+from .tuner.mixed_batch import names_handed_to
 from .tuner.quantized_merge import unreadable_weight
 from .weighted_adapters import WeightedAdapters
 
@@ -134,19 +133,9 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         if mixed is None:
             yield
             return
-        hooks = [
-            module.register_forward_pre_hook(
-                partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
-            )
-            for module in self.model.modules()
-            if isinstance(module, AuxiliaryTrainingWrapper)
-        ]
-        try:
-            with layers.serving(mixed):
-                yield
-        finally:
-            for hook in hooks:
-                hook.remove()
+        wrappers = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+        with names_handed_to(wrappers, mixed), layers.serving(mixed):
+            yield
 
 
 def _listed(reasons: dict[str, str]) -> str:

@@ -33,6 +33,22 @@ class MixedBatch(NamedTuple):
         return self.encoder_names if id(layer) in self.encoder_layers else self.names
 
 
+@contextmanager
+def names_handed_to(modules: list[nn.Module], mixed: MixedBatch) -> Iterator[None]:
+    """Within the block, a forward pre-hook on each of `modules` hands it its rows' adapter names, as LoRA's does."""
+    hooks = [
+        module.register_forward_pre_hook(
+            partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
+        )
+        for module in modules
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 class MixedBatchLinear:
     """A NeuroAda linear layer serving mixed batches (mixed in before it)."""
 
@@ -82,18 +98,9 @@ class MixedBatchModel:
         if mixed is None:
             yield
             return
-        hooks = [
-            module.register_forward_pre_hook(
-                partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
-            )
-            for module in self.model.modules()
-            if isinstance(module, (MixedBatchLinear, AuxiliaryTrainingWrapper))
-        ]
-        try:
+        receivers = [m for m in self.model.modules() if isinstance(m, (MixedBatchLinear, AuxiliaryTrainingWrapper))]
+        with names_handed_to(receivers, mixed):
             yield
-        finally:
-            for hook in hooks:
-                hook.remove()
 
     def _mixed_batch(self, adapter_names: list[str] | None, num_beams: Any) -> MixedBatch | None:
         """The call's `adapter_names` checked, with what beam search repeats (None: no mixed batch)."""
