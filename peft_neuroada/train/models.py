@@ -21,7 +21,6 @@ import peft_neuroada  # noqa: F401  (registers the NEUROADA peft type, so saved 
 from peft_neuroada.tuner.config import DTYPES
 
 from .default_model import default_model_path
-from .protocols import get_protocol
 
 
 def resolve_model(model: str) -> str:
@@ -39,6 +38,8 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_tokenizer(model: str, protocol: str = "lenient", max_length: int | None = None) -> PreTrainedTokenizerBase:
     """The model's tokenizer as `protocol` sets it up (pad token, padding side, the prompt length limit)."""
+    from .protocols import get_protocol  # here: protocols need `datasets`, which loading a model does not
+
     return get_protocol(protocol).load_tokenizer(resolve_model(model), max_length)
 
 
