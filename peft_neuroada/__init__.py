@@ -1,11 +1,13 @@
 """NeuroAda for PEFT: importing this package registers the NEUROADA tuner type with peft (and does nothing else)."""
 
+from .registration import register  # first: it refuses an older peft before any other module reaches into it
+
+# isort: split
 from .budget import k_for_budget
 from .config import NeuroAdaConfig
 from .gradient_selection import select_by_gradient
 from .layers import Linear, ParamWrapper
 from .model import NeuroAdaModel
-from .registration import register
 from .tuner.layer import NeuroAdaLayer
 
 NEUROADA = register()

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import enum
 
-from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
-from peft.utils import PeftType, register_peft_method
+import peft
+from packaging.version import Version
 
-from .config import NeuroAdaConfig
-from .model import NeuroAdaModel
-from .tuner.config import METHOD_NAME, PREFIX
+# The oldest peft the plugin runs on (its specs passed there): the tuner needs peft's quantization-backend helpers
+# (0.20) and the benchmarks Super-Tuning (0.21). Checked here, before any module reaches into peft.
+MINIMUM_PEFT = "0.21.2"
+if Version(peft.__version__) < Version(MINIMUM_PEFT):
+    raise ImportError(f"peft-neuroada needs peft>={MINIMUM_PEFT}, but peft {peft.__version__} is installed")
+
+from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING  # noqa: E402
+from peft.utils import PeftType, register_peft_method  # noqa: E402
+
+from .config import NeuroAdaConfig  # noqa: E402
+from .model import NeuroAdaModel  # noqa: E402
+from .tuner.config import METHOD_NAME, PREFIX  # noqa: E402
 
 
 def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
