@@ -1,4 +1,4 @@
-"""The pull requests peft would merge, as `patch -p1` files against the installed peft's source release, built from
+"""The pull requests peft would merge, as `patch -p1` files against the source release of peft TARGET_PEFT, built from
 the tuner as it is now (peft_neuroada/tuner/) and the PRs' own new files (docs/upstream/pr/: the docs page, the
 example, the method_comparison experiments, tests/test_neuroada.py):
 
@@ -37,7 +37,6 @@ import tarfile
 import tempfile
 import textwrap
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import NamedTuple
 
@@ -52,6 +51,9 @@ UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
 ISSUE_DOC = REPO_ROOT / "docs" / "upstream" / "issue.md"
 ALTERNATIVE = REPO_ROOT / "docs" / "upstream" / "supertuning-neuron.patch"
 MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
+# The peft release the patches target: their source tree, whatever peft is installed (a new release changes nothing
+# here until this names it and the patches are rebuilt on it).
+TARGET_PEFT = "0.22.0"
 TUNER_DIR = "src/peft/tuners/neuroada"
 # peft's ruff settings (its pyproject.toml), for what the build generates or moves.
 RUFF_SETTINGS = [
@@ -735,13 +737,34 @@ def stage_overrides(stage: int) -> list[str]:
     """`tuner_overrides` of NeuroAdaModel as the series leaves it after `stage`, read from its source."""
     from peft.tuners.tuners_utils import BaseTuner
 
+    return source_overrides(tuner_files(stage).values(), "NeuroAdaModel", lambda name: hasattr(BaseTuner, name))
+
+
+def release_overrides(release: Release, model_class: str) -> list[str]:
+    """`tuner_overrides` of peft's tuner model class `model_class` as the source release holds it (its package's
+    classes, and BaseTuner's methods there or nn.Module's)."""
+    import torch
+
+    tuners = {path: text for path, text in release.files.items() if path.startswith("src/peft/tuners/")}
+    base_tuner = next(
+        node
+        for node in ast.parse(tuners["src/peft/tuners/tuners_utils.py"]).body
+        if isinstance(node, ast.ClassDef) and node.name == "BaseTuner"
+    )
+    base_methods = {node.name for node in base_tuner.body if isinstance(node, ast.FunctionDef)}
+    defining = next(path for path, text in tuners.items() if re.search(rf"(?m)^class {model_class}\b", text))
+    package = defining.rpartition("/")[0] + "/"
+    sources = [text for path, text in tuners.items() if path.startswith(package)]
+    return source_overrides(sources, model_class, lambda name: name in base_methods or hasattr(torch.nn.Module, name))
+
+
+def source_overrides(sources, model_class: str, on_base_tuner: Callable[[str], bool]) -> list[str]:
+    """The methods `model_class` defines, itself or through the classes of `sources` among its bases, that peft
+    calls on a tuner: those `on_base_tuner` accepts and PEFT_TUNER_HOOKS; in the order defined."""
     classes = {
-        node.name: node
-        for source in tuner_files(stage).values()
-        for node in ast.parse(source).body
-        if isinstance(node, ast.ClassDef)
+        node.name: node for source in sources for node in ast.parse(source).body if isinstance(node, ast.ClassDef)
     }
-    names, queue = [], ["NeuroAdaModel"]
+    names, queue = [], [model_class]
     while queue:
         node = classes.get(queue.pop(0))
         if node is None:
@@ -750,7 +773,7 @@ def stage_overrides(stage: int) -> list[str]:
             method.name
             for method in node.body
             if isinstance(method, ast.FunctionDef)
-            and (hasattr(BaseTuner, method.name) or method.name in PEFT_TUNER_HOOKS)
+            and (on_base_tuner(method.name) or method.name in PEFT_TUNER_HOOKS)
             and method.name not in names
         ]
         queue += [base.id for base in node.bases if isinstance(base, ast.Name)]
@@ -787,16 +810,14 @@ def patch_counts(patch: str) -> dict[str, int]:
     return counts | {"files": files, "lines": len(patch.splitlines()), "bytes": len(patch.encode())}
 
 
-def count_texts(patch: str, series: dict[str, str]) -> dict[str, str]:
-    """What each marked block of docs/upstream.md says, by block name."""
-    import peft.tuners
-
+def count_texts(patch: str, series: dict[str, str], release: Release) -> dict[str, str]:
+    """What each marked block of docs/upstream.md says, by block name (peft's tuners counted in `release`)."""
     from peft_neuroada.tuner.model import NeuroAdaModel
 
     counts = patch_counts(patch)
     ours = tuner_overrides(NeuroAdaModel)
     hooks = [name for name in ours if name in PEFT_TUNER_HOOKS]
-    peers = [f"{name} {len(tuner_overrides(getattr(peft.tuners, cls)))}" for cls, name in PEER_TUNERS.items()]
+    peers = [f"{name} {len(release_overrides(release, cls))}" for cls, name in PEER_TUNERS.items()]
     peers[0] = peers[0].replace(" ", " has ")  # "Super-Tuning has 2, SHiRA 3, VeRA 5"
     return {
         "patch": (
@@ -808,7 +829,7 @@ def count_texts(patch: str, series: dict[str, str]) -> dict[str, str]:
             f"{len(ours)} methods of `NeuroAdaModel` that peft calls on a tuner: {len(ours) - len(hooks)} that "
             "BaseTuner defines too (`_create_and_replace`, which BaseTuner requires, among them)"
             + "".join(f" and `{name}`, which `PeftModel` calls where a tuner defines it" for name in hooks)
-            + f". Counted the same way, peft {version('peft')}'s {', '.join(peers)}."
+            + f". Counted the same way, peft {TARGET_PEFT}'s {', '.join(peers)}."
         ),
         "series": series_table(series),
         "sizes": sizes_text(series),
@@ -830,10 +851,10 @@ def sizes_text(series: dict[str, str]) -> str:
     )
 
 
-def with_counts(doc: str, patch: str, series: dict[str, str]) -> str:
-    """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch` and
-    `series` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
-    for name, text in count_texts(patch, series).items():
+def with_counts(doc: str, patch: str, series: dict[str, str], release: Release) -> str:
+    """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch`,
+    `series` and `release` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
+    for name, text in count_texts(patch, series, release).items():
         pattern = re.compile(rf"(<!-- counts:{name} -->\n).*?(<!-- /counts:{name} -->)", re.DOTALL)
         if not pattern.findall(doc):
             continue
@@ -845,9 +866,8 @@ def with_counts(doc: str, patch: str, series: dict[str, str]) -> str:
     return doc
 
 
-def source_release(folder: Path) -> Path:
-    """The installed peft's source release (its tests ship there, not in the wheel), downloaded once into `folder`."""
-    peft_version = version("peft")
+def source_release(folder: Path, peft_version: str = TARGET_PEFT) -> Path:
+    """peft's source release `peft_version` (its tests ship there, not in the wheel), downloaded once into `folder`."""
     archive = folder / f"peft-{peft_version}.tar.gz"
     if not archive.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -871,7 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     release = default_release()
     patch, series = build_patch(release), build_series(release)
     wanted = {PATCH: patch, **{SERIES_DIR / name: text for name, text in series.items()}}
-    wanted |= {page: with_counts(page.read_text(), patch, series) for page in (UPSTREAM_DOC, ISSUE_DOC)}
+    sources = Release(release)
+    wanted |= {page: with_counts(page.read_text(), patch, series, sources) for page in (UPSTREAM_DOC, ISSUE_DOC)}
     if args.check:
         stale = [path for path, text in wanted.items() if not (path.exists() and path.read_text() == text)]
         stale += sorted(set(SERIES_DIR.glob("*.patch")) - set(wanted))

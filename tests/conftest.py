@@ -74,11 +74,12 @@ def upstream_patch():
 
 @pytest.fixture(scope="session")
 def peft_release(upstream_patch) -> Path:
-    """The installed peft's source release (its tests ship there, not in the wheel), the tree the patches apply to."""
+    """The source release of the peft the patches target (`TARGET_PEFT`, whatever peft is installed; its tests ship
+    there, not in the wheel), the tree the patches apply to."""
     try:
         return upstream_patch.default_release()
     except FileNotFoundError as error:
-        pytest.skip(f"no source release of the installed peft: {error}")
+        pytest.skip(f"no source release of peft {upstream_patch.TARGET_PEFT}: {error}")
 
 
 def train_on_batch(model: torch.nn.Module, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:

@@ -16,11 +16,12 @@ UPSTREAM_DOC = ROOT / "docs" / "upstream.md"
 REPEATED_COUNTS = r"\b\d[\d,]* added lines|\b\d+ (?:BaseTuner )?overrides|\b\d[\d,]* NeuroAda cases"
 
 
-def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch):
+def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch, peft_release):
     series = {name: (upstream_patch.SERIES_DIR / name).read_text() for name in upstream_patch.series_names()}
+    release = upstream_patch.Release(peft_release)
     for page in (UPSTREAM_DOC, upstream_patch.ISSUE_DOC):
         doc = page.read_text()
-        assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text(), series) == doc, (
+        assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text(), series, release) == doc, (
             f"stale {page.name}: run `python benchmarks/upstream_patch.py`"
         )
     assert "<!-- counts:sizes -->" in upstream_patch.ISSUE_DOC.read_text()
