@@ -6,19 +6,18 @@ peft's own behaviour and fails once peft changes it: the workaround can be dropp
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import peft.peft_model
 import peft.utils.save_and_load
 import safetensors.torch
-import torch
 from peft.tuners.tuners_utils import BaseTuner, onload_layer
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from . import safe_io
 from .tuner.experts import ParamWrapper
-from .tuner.guards import SAVED_TENSORS
 from .tuner.layer import NeuroAdaLayer
 
 # Wrappers that FSDP1 auto-wrapping and activation checkpointing put around submodules: part of module names, not of
@@ -112,38 +111,27 @@ class PeftCompat(BaseTuner):
         safe_merge: bool = False,
         adapter_names: list[str] | None = None,
     ) -> nn.Module:
-        """peft merges while it unloads, layer by layer: merge everything first (all or nothing), then unload."""
+        """peft merges while it unloads, layer by layer, and a failing layer leaves the model half merged and half
+        unloaded. Here peft's refusal of an ambiguous `modules_to_save` selection comes first, then every layer is
+        merged (all or nothing), then peft unloads as it does for LoRA: the selected `modules_to_save` copies and its
+        fix-ups, each NeuroAda layer already merged."""
         if merge:
+            self._check_merge_allowed()
+            for wrapper in self.model.modules():
+                if adapter_names and isinstance(wrapper, ModulesToSaveWrapper):
+                    wrapper.check_set_adapter(adapter_names)
             self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
-        return super()._unload_and_optionally_merge(merge=False, progressbar=progressbar)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "All adapters are already merged", UserWarning)
+            return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
 
     def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
-        """Unloading a `modules_to_save` (or trainable-tokens) wrapper, peft gives the module the wrapper's `weight`,
-        which fails for a head without one (RoBERTa's classification head, the paper's GLUE runs), and for an experts
-        module unwrapped from `ParamWrapper`s (LoRA's model handles its own): the module only goes back in place."""
-        if isinstance(child, AuxiliaryTrainingWrapper) or (
-            isinstance(child, ParamWrapper) and new_module is not child
-        ):
+        """Unloading an experts module unwrapped from `ParamWrapper`s, peft would give it the wrapper's `weight`,
+        which it has none of (LoRA's model handles its own): the module only goes back in place."""
+        if isinstance(child, ParamWrapper) and new_module is not child:
             setattr(parent, child_name, new_module)
             return
         super()._replace_module(parent, child_name, new_module, child)
-
-    @classmethod
-    def _get_adapter_state_dict(
-        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """peft maps layers to keys by module name and drops FSDP1's wrapper name only where it leads the name;
-        auto-wrapping puts it in the middle (`layers.0._fsdp_wrapped_module.self_attn.q_proj`), and peft would save
-        an empty adapter. The entries of wrapped layers are added."""
-        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        for name, module in model.named_modules():
-            key_prefix = without_wrapper_names(name)
-            if key_prefix != name and isinstance(module, NeuroAdaLayer):
-                for attribute in SAVED_TENSORS:
-                    key = f"{key_prefix}.{attribute}.{adapter_name}"
-                    if key in state_dict:
-                        selected[key] = state_dict[key]
-        return selected
 
 
 def trained_biases(model: nn.Module, bias: str) -> list[nn.Parameter]:

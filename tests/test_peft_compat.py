@@ -13,9 +13,8 @@ import peft.peft_model
 import peft.utils.save_and_load
 import pytest
 import torch
-from peft import get_peft_model, get_peft_model_state_dict
+from peft import get_peft_model
 from peft.tuners.tuners_utils import BaseTuner
-from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 
 from peft_neuroada import NeuroAdaConfig, NeuroAdaModel
@@ -102,26 +101,13 @@ def test_peft_merges_while_it_unloads_so_a_failing_layer_leaves_earlier_ones_mer
     assert not torch.equal(weight, before)
 
 
-def test_peft_unloading_a_modules_to_save_wrapper_needs_the_module_to_have_a_weight():
-    model = tuner()
-    head = nn.Sequential(nn.Linear(4, 2))  # like RoBERTa's classification head: no `weight` of its own
-    wrapper = ModulesToSaveWrapper(head, "default")
+def test_peft_unloading_an_experts_module_from_its_parameter_wrapper_gives_it_the_wrapper_s_weight():
+    experts = nn.Module()  # like transformers 5's MoE experts: 3-D parameters, no `weight`
+    experts.gate_up_proj = nn.Parameter(torch.zeros(2, 4, 3))
+    wrapper = nn.Module()
+    wrapper.base_layer, wrapper.weight = experts, nn.Parameter(torch.zeros(1))
     with pytest.raises(AttributeError, match="weight"):
-        BaseTuner._replace_module(model, nn.Module(), "classifier", wrapper.original_module, wrapper)
-
-
-def test_peft_saves_no_entry_of_layers_whose_names_hold_a_wrapper_in_the_middle():
-    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1))
-    layers = model.base_model.model.model.layers
-    wrapped = nn.Module()
-    wrapped._fsdp_wrapped_module = layers[0]
-    layers[0] = wrapped
-    state_dict = get_peft_model_state_dict(model)  # through NeuroAdaModel, which adds the wrapped layers' entries
-    full = {key.replace("_fsdp_wrapped_module.", ""): value for key, value in model.state_dict().items()}
-    peft_alone = BaseTuner._get_adapter_state_dict.__func__(NeuroAdaModel, model, model.peft_config["default"],
-                                                            "default", full, [])  # fmt: skip
-    assert any(".layers.0." in key for key in state_dict)
-    assert not any(".layers.0." in key for key in peft_alone)
+        BaseTuner._replace_module(tuner(), nn.Module(), "experts", experts, wrapper)
 
 
 def test_peft_checks_adapter_tensors_only_on_its_own_load_path(monkeypatch):
