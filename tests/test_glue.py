@@ -289,9 +289,16 @@ def test_a_roberta_recipe_scores_its_merged_model(tmp_path, minilm_tokenizer):
     torch.manual_seed(0)
     RobertaForSequenceClassification(config).save_pretrained(tmp_path / "roberta")
     minilm_tokenizer.save_pretrained(tmp_path / "roberta")
-    assert main(["train", glue_recipe(tmp_path, "rte", epochs=1, model=tmp_path / "roberta")]) == 0
+    recipe_path = glue_recipe(tmp_path, "rte", epochs=1, model=tmp_path / "roberta")
+    assert main(["train", recipe_path]) == 0
     results = json.loads((tmp_path / "run" / "results" / "results.json").read_text())
     assert results["merged"] is True and 0 <= results["score"] <= 1 and results["head_parameters"] > 0
+    recipe = load_recipe(recipe_path)
+    data = glue_data(recipe)
+    model, tokenizer = load_adapted_model(recipe.model, recipe.adapter_dir, "float32", "paper", 32, num_labels=2)
+    held_out = encode(data.task, data.validation.select(data.held_out), tokenizer, 32)
+    unmerged = glue.classify(model, held_out, 8, tokenizer.pad_token_id)  # the trained head, the deltas apart
+    torch.testing.assert_close(saved_logits(tmp_path / "run" / "results", "rte")[1], unmerged, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bf16", [False, True])
