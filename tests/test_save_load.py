@@ -432,3 +432,28 @@ print(type(model.base_model).__name__, "peft_neuroada" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, capture_output=True, text=True)
     assert done.stdout.split() == ["NeuroAdaModel", "True"]
+
+
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+@pytest.mark.parametrize("is_trainable", [False, True])
+@pytest.mark.parametrize(("delta_dtype", "base_dtype"), [("float32", torch.bfloat16), ("bfloat16", torch.float32)])
+def test_a_fixed_delta_dtype_holds_bit_for_bit_on_every_load_path(
+    delta_dtype, base_dtype, is_trainable, low_cpu_mem_usage, tmp_path
+):
+    """`low_cpu_mem_usage=True` assigns the saved tensors and peft then casts adapter tensors to the base layer's
+    dtype: deltas whose dtype the config fixes keep it (with `delta_dtype=None` the dtype is peft's, as LoRA's)."""
+    model = get_peft_model(tiny_llama().to(base_dtype), NeuroAdaConfig(k=2, delta_dtype=delta_dtype))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "neuroada_delta" in name:
+                parameter.normal_(std=1e-3)  # values a bf16 rounding would change
+    saved = {name: p.detach().clone() for name, p in model.named_parameters() if "neuroada_delta" in name}
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(
+        tiny_llama().to(base_dtype), tmp_path, is_trainable=is_trainable, low_cpu_mem_usage=low_cpu_mem_usage
+    )
+    deltas = {name: p for name, p in loaded.named_parameters() if "neuroada_delta" in name}
+    assert deltas.keys() == saved.keys()
+    for name, delta in deltas.items():
+        assert delta.dtype == getattr(torch, delta_dtype) and torch.equal(delta, saved[name]), name
+        assert delta.requires_grad == is_trainable

@@ -61,7 +61,7 @@ class NeuroAdaLayer(BaseTunerLayer):
     `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
-    other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights")
+    other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights", "delta_dtype")
     # The forward's products, functions of tensors (`forward.Kernels`); a layer may be given faster ones.
     kernels = forward.Kernels()
 
@@ -72,6 +72,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.neuroada_indices = BufferDict({}, persistent=True)
         self.neuroada_rows = BufferDict({}, persistent=True)
         self.init_weights: dict[str, bool] = {}
+        self.delta_dtype: dict[str, torch.dtype] = {}  # per adapter whose config fixes the deltas' dtype
         # Per merged adapter, what unmerge writes back: the entries it overwrote.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
@@ -139,15 +140,24 @@ class NeuroAdaLayer(BaseTunerLayer):
             )
         neurons, dtype = self._select(adapter_name, config, k)
         if config.delta_dtype is not None:
-            dtype = DTYPES[config.delta_dtype]
+            dtype = self.delta_dtype[adapter_name] = DTYPES[config.delta_dtype]
         elif not dtype.is_floating_point:
             dtype = torch.float32
         self.init_weights[adapter_name] = config.init_weights
         self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
         self._move_adapter_to_device_of_base_layer(adapter_name)
-        if config.delta_dtype is not None:
-            self.neuroada_delta[adapter_name] = nn.Parameter(self.neuroada_delta[adapter_name].to(dtype))
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
+        """peft's, which also casts float adapter tensors to the base layer's dtype; deltas whose dtype the config
+        fixes (`delta_dtype`) keep it, wherever peft moves them (creation, and `low_cpu_mem_usage` loads, which assign
+        the saved tensors and then move them)."""
+        dtype = self.delta_dtype.get(adapter_name)
+        delta = self.neuroada_delta.get(adapter_name) if dtype is not None else None
+        super()._move_adapter_to_device_of_base_layer(adapter_name, device)
+        if delta is not None and not delta.is_meta:
+            moved = delta.to(device=self.neuroada_delta[adapter_name].device, dtype=dtype)
+            self.neuroada_delta[adapter_name] = nn.Parameter(moved, requires_grad=delta.requires_grad)
 
     def _select(self, adapter_name: str, config: NeuroAdaConfig, k: int) -> tuple[int, torch.dtype]:
         """Choose the neurons and k inputs each; returns how many neurons, and the dtype the weight was read in."""
@@ -215,8 +225,8 @@ class NeuroAdaLayer(BaseTunerLayer):
     def check_finite(self, name: str, merged: torch.Tensor, safe_merge: bool) -> None:
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(
-                f"Refusing to merge adapter '{name}': it would put NaN/inf values into the base weight, so its deltas "
-                "are broken (check the training loss and learning rate)."
+                f"NaNs detected in the merged weights. The adapter {name} seems to be broken: merging it would put "
+                "NaN/inf values into the base weight (check the training loss and learning rate)."
             )
 
     def check_mergeable(self) -> None:
