@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INTERPRETED = """
 import torch
-from peft_neuroada.accel import triton_sampled_grad
+from peft_neuroada.accel import sparse_products, triton_sampled_grad
 
 def case(tokens, d_in, n, k, rows=None, dtype=torch.float32, strided=False):
     generator = torch.Generator().manual_seed(tokens + k)
@@ -43,6 +43,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     case(70, 100, 3, 80, dtype=dtype)  # k above a tile's width
 case(9, 1, 6, 1)  # one input
 case(33, 16, 9, 3, strided=True)
+x, grad = torch.randn(40, 30, dtype=torch.float64), torch.randn(40, 20, dtype=torch.float64)
+cols = torch.randint(0, 30, (20, 3), dtype=torch.int32)
+got = triton_sampled_grad.sampled_grad(x, grad, cols, None)  # float64 operands: accumulated in float64
+assert got.dtype == torch.float64 and torch.equal(got, sparse_products.sampled_grad(x, grad, cols, None))
+torch.testing.assert_close(got, (grad.T @ x).gather(1, cols.long()), rtol=1e-12, atol=1e-12)
 print("checked")
 """
 

@@ -1,6 +1,7 @@
 """The deltas' gradient (the dense weight gradient sampled at the placement, `tuner.forward.sampled_grad`'s
 contract) as a Triton kernel on CUDA tensors; on other tensors, the plugin's products (`sparse_products`). Under
-`TRITON_INTERPRET=1` it also runs on CPU tensors, which is how the tests check it.
+`TRITON_INTERPRET=1` it also runs on CPU tensors, which is how the tests check it. float64 operands take the exact
+products.
 
 The kernel reads x and the output gradient token-major, so a program's run of adjacent tokens of one column is one
 coalesced load; it tiles the flattened entries e = i * k + j (no padding for any k) and splits the tokens until about
@@ -16,6 +17,7 @@ import os
 import torch
 from torch import Tensor
 
+from ..tuner import forward
 from . import sparse_products
 from .sparse_products import token_major
 
@@ -67,7 +69,9 @@ def _kernel():
 
 
 def sampled_grad(x2d: Tensor, grad2d: Tensor, cols: Tensor, rows: Tensor | None) -> Tensor:
-    if not _runs_on(x2d) or torch.compiler.is_compiling():
+    """The kernel accumulates in float32: float64 operands take the plugin's products, which accumulate in float64."""
+    exact_elsewhere = forward.accumulating(x2d, grad2d) != torch.float32
+    if exact_elsewhere or not _runs_on(x2d) or torch.compiler.is_compiling():
         return sparse_products.sampled_grad(x2d, grad2d, cols, rows)
     (n, k), tokens = cols.shape, x2d.shape[0]
     if n * k == 0 or tokens == 0:
