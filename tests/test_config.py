@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from peft import PeftConfig, PeftModel, PeftType, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, PeftType, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from torch import nn
 from transformers import (
@@ -231,10 +231,29 @@ def test_exclude_modules_and_layers_to_transform_narrow_the_targets():
     assert not any(name.endswith("down_proj") for name in adapted)
 
 
-def test_unsupported_module_type_is_refused_with_its_name():
+class UnknownModule(nn.Module):
+    """A module with a weight that neither NeuroAda nor LoRA knows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8, 8))
+
+
+# The start of the message peft's tests fix for every method (test_custom_models.py's unknown-layer test), LoRA's.
+PEFT_UNSUPPORTED = r"Target module .* not supported"
+
+
+@pytest.mark.parametrize("config", [LoraConfig(target_modules=["1"]), NeuroAdaConfig(target_modules=["1"])])
+def test_an_unknown_module_type_is_refused_with_peft_s_message(config):
+    with pytest.raises((TypeError, ValueError), match=PEFT_UNSUPPORTED):
+        get_peft_model(nn.Sequential(nn.Linear(8, 8), UnknownModule()), config)
+
+
+def test_an_unsupported_module_type_is_refused_with_its_name_and_type():
     model = nn.Sequential(nn.Linear(8, 8), nn.Embedding(10, 8))
-    with pytest.raises(TypeError, match="cannot adapt module '1' of type Embedding"):
+    with pytest.raises(TypeError, match=PEFT_UNSUPPORTED + r": NeuroAda adapts only torch.nn.Linear") as refusal:
         get_peft_model(model, NeuroAdaConfig(target_modules=["1"]))
+    assert "Target module '1' of type Embedding" in str(refusal.value)
 
 
 def test_k_larger_than_layer_inputs_is_clipped_with_a_warning():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -166,10 +166,28 @@ def test_safe_merge_failing_at_a_late_layer_unmerges_every_earlier_layer():
     originals = [layer.get_base_layer().weight.detach().clone() for layer in layers]
     with torch.no_grad():
         layers[-1].neuroada_delta["default"][0, 0] = float("nan")
-    with pytest.raises(ValueError, match="Refusing to merge adapter 'default'"):
+    with pytest.raises(ValueError, match=PEFT_BROKEN):
         model.merge_adapter(safe_merge=True)
     assert all(not layer.merged for layer in layers)
     assert same_weights(layers, originals)
+
+
+# peft's refusal of a broken adapter under safe_merge, LoRA's, which peft's tests match for every method.
+PEFT_BROKEN = "NaNs detected in the merged weights. The adapter default seems to be broken"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [LoraConfig(target_modules=["q_proj"], init_lora_weights=False), NeuroAdaConfig(k=2, init_weights=False)],
+    ids=["lora", "neuroada"],
+)
+def test_safe_merge_refuses_a_broken_adapter_with_peft_s_message(config):
+    model = get_peft_model(tiny_llama(), config)
+    with torch.no_grad():
+        for parameter in (parameter for parameter in model.parameters() if parameter.requires_grad):
+            parameter.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=PEFT_BROKEN):
+        model.merge_and_unload(safe_merge=True)
 
 
 @pytest.mark.parametrize("operation", ["merge_adapter", "unmerge_adapter"])

@@ -16,7 +16,7 @@ from peft.utils import load_peft_weights
 from peft.utils.hotswap import hotswap_adapter, prepare_model_for_compiled_hotswap
 
 from peft_neuroada import NeuroAdaConfig
-from tests.conftest import logits, neuroada_layers, tiny_llama
+from tests.conftest import logits, named_neuroada_layers, neuroada_layers, tiny_llama
 
 TOKENS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
 MIXED_REFUSAL = re.escape("The provided `peft_type` 'NEUROADA' is not compatible with the `PeftMixedModel`.")
@@ -68,17 +68,19 @@ def test_swapping_in_an_adapter_that_does_not_fit_is_refused_naming_the_layer(tw
     assert torch.equal(logits(model, TOKENS), before)
 
 
-def test_new_values_for_a_merged_adapter_are_refused_before_anything_loads(two_saved_adapters):
-    """Loaded while merged, they would leave the merged weights serving the old adapter (and, with new indices, an
-    unmerge that used them would restore the wrong entries): both ways of loading refuse, and nothing changes."""
+def test_new_deltas_alone_for_a_merged_adapter_are_refused_before_anything_loads(two_saved_adapters):
+    """Loaded while merged without the base weights, they would leave the merged weights serving the old adapter
+    (and, with new indices, an unmerge that used them would restore the wrong entries): both ways of loading refuse,
+    and nothing changes."""
     first, second = two_saved_adapters
     other = PeftModel.from_pretrained(tiny_llama(), second).state_dict()
+    adapter_only = {key: value for key, value in other.items() if ".neuroada_" in key}
     model = PeftModel.from_pretrained(tiny_llama(), first)
     model.merge_adapter()
     state = {key: value.clone() for key, value in model.state_dict().items()}
     loads = [
         lambda: set_peft_model_state_dict(model, load_peft_weights(str(second)), adapter_name="default"),
-        lambda: model.load_state_dict(other),
+        lambda: model.load_state_dict(adapter_only, strict=False),
     ]
     for load in loads:
         with pytest.raises(ValueError, match=r"Cannot load new values into adapter 'default' .* it is merged"):
@@ -87,6 +89,61 @@ def test_new_values_for_a_merged_adapter_are_refused_before_anything_loads(two_s
     model.unmerge_adapter()
     with model.disable_adapter():
         assert torch.equal(logits(model, TOKENS), logits(tiny_llama(), TOKENS))
+
+
+def full_state_loaded_while_merged(config) -> tuple[PeftModel, dict[str, torch.Tensor]]:
+    """A model with `config`'s adapter, merged, into which a full state dict of other values (base weights included)
+    was loaded, as peft's test_merge_layers_load_state_dict loads one; and that state dict."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), config)
+    generator = torch.Generator().manual_seed(1)
+    state = {
+        key: value.clone() if not value.is_floating_point() else torch.randn(value.shape, generator=generator)
+        for key, value in model.state_dict().items()
+    }
+    model.merge_adapter()
+    model.load_state_dict(state)
+    return model, state
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        NeuroAdaConfig(k=2, init_weights=False),
+        LoraConfig(target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ],
+    ids=["neuroada", "lora"],
+)
+def test_a_full_state_dict_loads_into_a_merged_model_as_given_and_unmerges_by_subtracting_its_deltas(config):
+    """A merged model's full state (base weights included) loads as given and reads back; unmerging then subtracts
+    the loaded adapter from the loaded weight, as LoRA's does: no mix of the loaded weight and the old entries."""
+    model, state = full_state_loaded_while_merged(config)
+    loaded = model.state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[key], value) for key, value in state.items())
+    model.unmerge_adapter()
+    for name, layer in model.named_modules():
+        if hasattr(layer, "get_delta_weight") and hasattr(layer, "base_layer"):
+            weight = layer.get_base_layer().weight
+            expected = state[f"{name}.base_layer.weight"] - layer.get_delta_weight("default")
+            torch.testing.assert_close(weight, expected, rtol=0, atol=1e-6)
+
+
+def test_a_full_state_dict_may_repeat_a_column_of_a_merged_adapter_which_a_merge_then_refuses():
+    """peft's test loads ones everywhere, indices included: unmerging subtracts each delta of a repeated column, and
+    a later merge refuses the repeats before writing anything."""
+    model = get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, init_weights=False))
+    name, layer = next(iter(named_neuroada_layers(model).items()))
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    state[f"{name}.neuroada_indices.default"].fill_(1)
+    model.merge_adapter()
+    model.load_state_dict(state)
+    model.unmerge_adapter()
+    weight, given = layer.get_base_layer().weight.detach().clone(), state[f"{name}.base_layer.weight"]
+    torch.testing.assert_close(weight[:, 1], given[:, 1] - layer.neuroada_delta["default"].detach().sum(1))
+    assert torch.equal(weight[:, 2:], given[:, 2:]) and torch.equal(weight[:, 0], given[:, 0])
+    with pytest.raises(ValueError, match="name a column twice within a neuron's row.*Nothing was written"):
+        model.merge_adapter()
+    assert torch.equal(layer.get_base_layer().weight, weight)
 
 
 def test_a_merged_adapter_may_be_loaded_again_with_its_own_values(two_saved_adapters):

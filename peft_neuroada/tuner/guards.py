@@ -18,7 +18,7 @@ import torch
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from .forward import Placement
+from .forward import Placement, entry_index, placed_entries
 from .selection import INDEX_DTYPE as BUFFER_DTYPE
 from .selection import STRATEGIES
 
@@ -50,9 +50,11 @@ def saved_columns(saved: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return torch.stack([pairs & 0xFFFF, pairs >> 16], dim=-1).reshape(-1)[: n * k].view(n, k)
 
 
-def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices") -> str | None:
+def index_problem(
+    indices: torch.Tensor, bound: int, attribute: str = "neuroada_indices", repeats: bool = False
+) -> str | None:
     """What makes `indices` ((n, k) columns or (n,) rows) differ from selection's (integers in [0, bound), none twice
-    in a row), or None."""
+    in a row unless `repeats`), or None."""
     if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
         return f"have dtype {indices.dtype}, not integer"
     if indices.is_meta or not indices.numel():
@@ -61,7 +63,7 @@ def index_problem(indices: torch.Tensor, bound: int, attribute: str = "neuroada_
     if low < 0 or high >= bound:
         what = "inputs" if attribute == "neuroada_indices" else "outputs"
         return f"range over [{low}, {high}] but the layer has only {bound} {what}"
-    if indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+    if not repeats and indices.shape[-1] > 1 and bool((indices.sort(dim=-1).values.diff(dim=-1) == 0).any()):
         return "name a neuron twice" if attribute == "neuroada_rows" else "name a column twice within a neuron's row"
     return None
 
@@ -74,15 +76,17 @@ def buffer_problem(buffer: torch.Tensor, shape: torch.Size | tuple[int, int]) ->
     return None
 
 
-def placement_problem(layer, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None) -> str | None:
+def placement_problem(
+    layer, shape: torch.Size, buffer: torch.Tensor | None, rows: torch.Tensor | None, repeats: bool = False
+) -> str | None:
     """What makes an index buffer or rows (held, or about to be loaded; None: not given) unfit for deltas of `shape`
-    in `layer` ("its neuroada_indices ..."), or None."""
+    in `layer` ("its neuroada_indices ..."), or None; `repeats`: an index named twice is no problem."""
     if buffer is not None:
-        if problem := buffer_problem(buffer, shape) or index_problem(buffer, layer.in_features):
+        if problem := buffer_problem(buffer, shape) or index_problem(buffer, layer.in_features, repeats=repeats):
             return f"its neuroada_indices {problem}"
     if rows is not None:
         problem = "is not an (n,) integer tensor" if rows.shape != shape[:1] else None
-        if problem := problem or index_problem(rows, layer.out_features, "neuroada_rows"):
+        if problem := problem or index_problem(rows, layer.out_features, "neuroada_rows", repeats):
             return f"its neuroada_rows {problem}"
     return None
 
@@ -160,28 +164,58 @@ def _refuse_shape(name: str, attribute: str, saved, expected, fits: str, d_in: i
 
 def check_layer_state(layer, state_dict: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
     """Refuse a state dict (any `load_state_dict`; keys `{prefix}{attribute}.{adapter}`) that would copy invalid
-    indices into a layer's index buffers, or change a merged adapter's tensors (the merged weights would go on
-    serving the old values). A layer's load pre-hook, and its model's for all layers before any loads."""
+    indices into a layer's index buffers, or change a merged adapter's tensors without the base weights (the merged
+    weights would go on serving the old values). A layer's load pre-hook, and its model's for all layers before any
+    loads.
+
+    A state dict that holds the base layer's tensors too, loaded while adapters are merged, is a merged model's state:
+    it loads as given (an index named twice included: a merge refuses it later), and `merged_state_loaded` then makes
+    unmerging subtract the loaded deltas from the loaded weight, as LoRA's unmerge subtracts its delta."""
     name = prefix.removesuffix(".") or layer.layer_name
+    base = {f"{prefix}base_layer.{key}": value for key, value in layer.base_layer.state_dict(keep_vars=True).items()}
+    as_merged = bool(layer.merged_adapters) and layer.quantized() is None and base.keys() <= state_dict.keys()
+    changed = as_merged and any(not _same_values(state_dict[key], value) for key, value in base.items())
     for adapter in layer.neuroada_delta:
         shape = layer.neuroada_delta[adapter].shape
         loaded = {attribute: state_dict.get(f"{prefix}{attribute}.{adapter}") for attribute in SAVED_TENSORS}
-        if problem := placement_problem(layer, shape, loaded["neuroada_indices"], loaded["neuroada_rows"]):
+        merged = adapter in layer.merged_adapters
+        rows = loaded["neuroada_rows"]
+        if problem := placement_problem(layer, shape, loaded["neuroada_indices"], rows, repeats=merged and as_merged):
             raise ValueError(
                 f"Refusing to load adapter '{adapter}' at layer '{name}': {problem}. Nothing was loaded. The state "
                 "dict does not hold this adapter as saved from this model (damaged, edited, or from another adapter "
                 "or base model): load a checkpoint of this model, or load the adapter from its saved files."
             )
-        if adapter in layer.merged_adapters and any(
+        if merged and any(
             tensor is not None and not _same_values(tensor, getattr(layer, attribute)[adapter])
             for attribute, tensor in loaded.items()
             if adapter in getattr(layer, attribute)
         ):
-            raise ValueError(
-                f"Cannot load new values into adapter '{adapter}' (layer '{name}'): it is merged into the base "
-                "weights, which would keep serving its old values. Unmerge it first (`model.unmerge_adapter()`), "
-                "load, then merge again if you want it merged."
-            )
+            if not as_merged:
+                raise ValueError(
+                    f"Cannot load new values into adapter '{adapter}' (layer '{name}'): it is merged into the base "
+                    "weights, which would keep serving its old values. Unmerge it first (`model.unmerge_adapter()`), "
+                    "load, then merge again if you want it merged; or load a full state dict, base weights included."
+                )
+            changed = True
+    layer.merged_state_changed = changed
+
+
+def merged_state_loaded(layer, *_: object) -> None:
+    """After a merged model's state loaded into `layer` (`check_layer_state`): what unmerging writes back becomes the
+    loaded weight less the loaded deltas of each merged adapter, the latest first (an index named twice subtracts
+    each of its deltas). A layer's load post-hook."""
+    if not layer.merged_state_changed:
+        return
+    layer.merged_state_changed = False
+    weight = layer.weight_out_in().detach()
+    unmerged = weight.clone()
+    for name in reversed(layer.merged_adapters):
+        rows = layer.neuroada_rows[name] if name in layer.neuroada_rows else None
+        placement = Placement(layer.neuroada_indices[name], rows).copy()  # (layer.placement may refuse repeats)
+        delta = layer.neuroada_delta[name].detach().to(weight.dtype)
+        unmerged.index_put_(entry_index(unmerged, placement), -delta, accumulate=True)
+        layer._merge_originals[name] = (placement, placed_entries(unmerged, placement))
 
 
 def _same_values(loaded: torch.Tensor, current: torch.Tensor) -> bool:
@@ -224,10 +258,13 @@ class GuardedLayer:
 
     # Other modules holding this layer's base weight (kept up to date by GuardedModel): never written in place.
     weight_shared_with: tuple[str, ...] = ()
+    # Whether the state dict being loaded changes what a merged adapter's unmerge writes back (check_layer_state).
+    merged_state_changed = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(check_layer_state)  # indices loaded into this layer alone
+        self.register_load_state_dict_post_hook(merged_state_loaded)
 
     def placement(self, adapter_name: str) -> Placement:
         """The tuner's, refusing index buffers that were cast (e.g. by `model.type(...)`): they may no longer hold

@@ -43,9 +43,9 @@ class LinearTargets:
             )
         if not linear and getattr(backend, "layer_type", None) != "linear":
             raise TypeError(
-                f"NeuroAda cannot adapt module '{current_key}' of type {type(base).__name__}: only torch.nn.Linear, "
-                "transformers' Conv1D and the quantized linear layers peft knows are supported. Remove it from "
-                "target_modules or add it to exclude_modules."
+                f"Target module '{current_key}' of type {type(base).__name__} is not supported: NeuroAda adapts "
+                "only torch.nn.Linear, transformers' Conv1D and the quantized linear layers peft knows. Remove it "
+                "from target_modules or add it to exclude_modules."
             )
         fan_in_fan_out = isinstance(base, Conv1D)
         if fan_in_fan_out != config.fan_in_fan_out:
