@@ -314,6 +314,14 @@ class Linear(
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name=layer_name)
 
+    def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
+        """NeuroAda is additive, so `peft.tuners.lora.convert_to_lora` approximates it by the delta's SVD (the sparse
+        delta's rank is not small: a converted adapter keeps only part of it)."""
+        return True
+
+    def _get_additive_delta(self, adapter_name: str = "default") -> torch.Tensor:
+        return self.get_delta_weight(adapter_name)
+
     def extra_repr(self) -> str:
         return quantization_extra_repr(self)
 
