@@ -202,9 +202,10 @@ def test_adapter_switch_benchmark_reports_every_method_and_neuroada_leaves_the_w
 
 
 def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) -> None:
-    """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between."""
+    """benchmarks/gpu.sh is run only when a GPU is lent: its dry run keeps it working in between (its default steps,
+    `step` and `specs`, on the device's image: tests/test_device_emulation.py)."""
     shared_datasets()  # the study's scale-up trains on commonsense_15k
-    steps = ["step", "specs", "random", "profile", "bf16", "scaleup"]
+    steps = ["random", "profile", "bf16", "scaleup"]
     command = ["bash", str(BENCHMARKS / "gpu.sh"), "--dry-run", str(tmp_path), *steps]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0 and "failed" not in completed.stdout, completed.stdout + completed.stderr[-3000:]
@@ -214,19 +215,9 @@ def test_the_gpu_script_runs_every_variant_in_its_cpu_dry_run(tmp_path: Path) ->
     variants += ["neuroada-k20-sparse-grad", "paper-scatter-k20", "mask-k20", "lora-budget", "full"]
     assert [result["variant"] for result in results] == variants
     assert all(result["error"] is None for result in results)
-    assert "skipped" in (tmp_path / "specs.txt").read_text()  # the CUDA specs, without a GPU
     profiled = (tmp_path / "profile.txt").read_text()
     assert "MergedCopyLinear" in profiled and "sampled_addmm" in profiled
     assert profiled.count("ATen operators per adapted layer beyond the floor") == 3
-    step = json.loads((tmp_path / "step.json").read_text())
-    assert {layer["shape"] for layer in step["layers"]} == {"135m-up", "1b-up", "1b-down", "8b-up", "8b-down", "8b-q"}
-    assert [s["variant"] for s in step["steps"]] == [
-        "frozen",
-        "neuroada-k1",
-        "neuroada-k20",
-        "lora-budget-k1",
-        "lora-budget-k20",
-    ]
     question = json.loads((tmp_path / "confirm-bf16.json").read_text())
     assert question["settings"]["dtype"] == "bfloat16"
     assert {(run["family"], run["size"]) for run in question["runs"]} == {("neuroada", 20), ("mask", 20)}
