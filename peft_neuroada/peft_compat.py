@@ -89,11 +89,11 @@ class PeftCompat(BaseTuner):
             raise
 
     def unmerge_adapter(self) -> None:
-        """All or nothing, as `merge_adapter`."""
+        """All or nothing, as `merge_adapter` (a layer with nothing merged warns, as peft's)."""
         unmerged = []
         try:
             for module in self.model.modules():
-                if isinstance(module, NeuroAdaLayer) and module.merged:
+                if isinstance(module, NeuroAdaLayer):
                     with onload_layer(module):
                         names = list(module.merged_adapters)
                         module.unmerge()

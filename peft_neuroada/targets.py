@@ -10,14 +10,16 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .tuner.config import TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
-from .tuner.experts import expert_projections, parameters_without_wrappers
+from .tuner.experts import TARGETS_REQUIRED, expert_projections, parameters_without_wrappers
 
 
-def default_targets(model_type: str | None) -> set[str]:
-    """The modules adapted when `target_modules` is None: the architecture's entry of the tuner's mapping, or
-    BaseTuner's refusal for one it does not know."""
+def default_targets(model_type: str | None, target_parameters: list[str] | None) -> set[str]:
+    """The modules adapted when `target_modules` is None: the architecture's entry of the tuner's mapping; for one it
+    does not know, none beside `target_parameters`, or the tuner's refusal without them."""
     if model_type not in TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING:
-        raise ValueError("Please specify `target_modules` in `peft_config`")
+        if not target_parameters:
+            raise ValueError(TARGETS_REQUIRED)
+        return set()
     return set(TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING[model_type])
 
 
@@ -25,7 +27,8 @@ def targeted_modules(model: nn.Module, config: NeuroAdaConfig) -> list[tuple[str
     """The modules `config` adapts in `model`, resolving default and "all-linear" targets as injection does."""
     config = copy.deepcopy(config)
     if config.target_modules is None:
-        config.target_modules = default_targets(getattr(getattr(model, "config", None), "model_type", None))
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        config.target_modules = default_targets(model_type, config.target_parameters)
     config = _maybe_include_all_linear_layers(config, model)
     return [(name, module) for name, module in model.named_modules() if check_target_module_exists(config, name)]
 

@@ -182,12 +182,12 @@ def test_architecture_default_targets(make_model, expected):
 @pytest.mark.parametrize(
     "make_base", [lambda: nn.Sequential(nn.Linear(4, 4)), tiny_llama], ids=["no-config", "unknown"]
 )
-def test_a_model_without_default_targets_is_refused_as_basetuner_refuses_it(make_base):
-    """No silent guess at an architecture's projections: peft's own message, before any layer is replaced."""
+def test_a_model_without_default_targets_is_refused_as_lora_refuses_it(make_base):
+    """No silent guess at an architecture's projections: LoRA's message, before any layer is replaced."""
     base = make_base()
     if hasattr(base, "config"):
         base.config.model_type = "an_architecture_neuroada_does_not_know"
-    with pytest.raises(ValueError, match=r"Please specify `target_modules` in `peft_config`"):
+    with pytest.raises(ValueError, match=r"Please specify `target_modules` or `target_parameters` in `peft_config`"):
         get_peft_model(base, NeuroAdaConfig())
     assert not any(name for name, _ in named_neuroada_layers(base).items())
 

@@ -203,13 +203,21 @@ class _AddedAtPlacements(torch.autograd.Function):
         return grad if ctx.needs_input_grad[0] else None, None, *grads
 
 
+TARGETS_REQUIRED = "Please specify `target_modules` or `target_parameters` in `peft_config`"  # LoRA's refusal
+
+
 class ExpertsModel:
     """`target_parameters` for a NeuroAda model (mixed in before it): expert stacks get a `ParamWrapper`, and the
     default targets take in the model's expert projections."""
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
-        """peft's defaults (the architecture's projections), and the model's expert projections."""
+        """peft's defaults (the architecture's projections), and the model's expert projections; as LoRA's, an
+        architecture without defaults takes `target_parameters` alone."""
         defaulted = peft_config.target_modules is None
+        if defaulted and model_config.get("model_type") not in self.target_module_mapping:
+            if not peft_config.target_parameters:
+                raise ValueError(TARGETS_REQUIRED)
+            return peft_config
         peft_config = super()._prepare_adapter_config(peft_config, model_config)
         if defaulted and peft_config.target_parameters is None:
             peft_config.target_parameters = sorted({short for short, _ in expert_projections(self.model)}) or None
