@@ -63,8 +63,8 @@ SPREAD, SPREADS = 0.1, (0.0, 0.1, 0.3)  # σ of the columns' log gain: SmolLM2's
 WARMUP, REPEATS = 3, 10
 # Calls without gradients (decoding: one token per sequence) that decide the bypass's threshold on the device.
 DECODE_SHAPES, DECODE_TOKENS = ("1b-up", "8b-up"), (1, 8, 32, 128)
-STEP_MODEL, STEP_SEQ, STEP_VARIANTS = "llama-1b-random", 1024, ("frozen", "neuroada-k1", "neuroada-k20")
-STEP_VARIANTS += ("lora-budget-k1", "lora-budget-k20")
+STEP_MODEL, STEP_SEQ = "llama-1b-random", 1024
+STEP_VARIANTS = ("frozen", "neuroada-k1", "neuroada-k20", "lora-budget-k1", "lora-budget-k20")
 LARGE_CARD_GIB = 100  # an H200's 139 GiB takes 16 x 1024 tokens; an H100's 78 GiB, 8 x 1024
 
 
@@ -73,7 +73,7 @@ class Lines:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("w", buffering=1)
+        self.file = path.open("w")
 
     def __call__(self, section: str, **record) -> None:
         self.file.write(json.dumps({"section": section, **record}) + "\n")
@@ -487,24 +487,19 @@ def main() -> None:
     if args.out is None:
         parser.error("--out is required (or --write-docs)")
     if args.dry_run:
-        device, dtype, timing, tokens, model = torch.device("cpu"), torch.float32, (1, 1), 24, "tiny"
+        device, dtype, timing = torch.device("cpu"), torch.float32, (1, 1)
         shapes = {name: (d_in // 64, d_out // 64) for name, (d_in, d_out) in SHAPES.items()}
+        tokens, model, seq = 24, "tiny", 16
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA device: run with --dry-run on the CPU")
-        device, dtype, timing, tokens, model = (
-            torch.device("cuda"),
-            torch.bfloat16,
-            (WARMUP, args.repeats),
-            TOKENS,
-            STEP_MODEL,
-        )
-        shapes = SHAPES
+        device, dtype, timing = torch.device("cuda"), torch.bfloat16, (WARMUP, args.repeats)
+        shapes, tokens, model, seq = SHAPES, TOKENS, STEP_MODEL, STEP_SEQ
     lines = Lines(args.out)
     run = {"dtype": str(dtype).removeprefix("torch."), "commit": args.commit or commit()}
     lines("versions", **gpu_versions.versions(), **run)
     time_layers(shapes, tokens, device, dtype, timing, lines)
-    time_steps(model, STEP_SEQ if model == STEP_MODEL else 16, device, dtype, timing, lines)
+    time_steps(model, seq, device, dtype, timing, lines)
     time_parts(shapes, tokens, device, dtype, timing, lines)
     time_decoding({name: shapes[name] for name in DECODE_SHAPES}, device, dtype, timing, lines)
     print(summary(read_report(args.out)))
