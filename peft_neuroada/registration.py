@@ -11,9 +11,10 @@ import enum
 import peft
 from packaging.version import Version
 
-# The oldest peft the plugin runs on (its specs passed there): the tuner needs peft's quantization-backend helpers
-# (0.20) and the benchmarks Super-Tuning (0.21). Checked here, before any module reaches into peft.
-MINIMUM_PEFT = "0.21.2"
+# The oldest peft the plugin runs on (its specs passed there): 0.22 unloads `modules_to_save` without copying a weight
+# into the module and saves the layers FSDP1 auto-wrapping renames, which the plugin worked around before. Checked
+# here, before any module reaches into peft.
+MINIMUM_PEFT = "0.22.0"
 if Version(peft.__version__) < Version(MINIMUM_PEFT):
     raise ImportError(f"peft-neuroada needs peft>={MINIMUM_PEFT}, but peft {peft.__version__} is installed")
 
