@@ -2,9 +2,9 @@
 tests/test_peft_upstream_suite.py (copied there, never imported by this project's suite).
 
 peft's tests fetch tiny models from the Hub, and go online on the first access to each model id even when offline.
-The spec builds local stand-ins for some of them (same architecture and class, built from a config) into the local
-Hub cache; this plugin tells peft's helper they were fetched already, leaves out the cases whose Hub model or
-repository has no stand-in, and reports what was collected and which peft ran.
+The spec builds local stand-ins for them (same architecture and class, built from a config) into the local Hub cache;
+this plugin tells peft's helper that those it serves were fetched already, leaves out the cases whose Hub model is not
+served or that read a Hub repository, and reports which peft ran.
 """
 
 import json
@@ -34,8 +34,7 @@ def needs_the_hub(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Record every collected case, then leave out those that need the Hub (before `-k` selects)."""
-    REPORT.with_suffix(".collected.json").write_text(json.dumps([item.nodeid for item in items]))
+    """Leave out the cases that need the Hub (before `-k` selects)."""
     offline = [item for item in items if needs_the_hub(item)]
     items[:] = [item for item in items if not needs_the_hub(item)]
     config.hook.pytest_deselected(items=offline)

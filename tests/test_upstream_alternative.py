@@ -1,9 +1,9 @@
 """The alternative first contribution, docs/upstream/supertuning-neuron.patch: peft's Super-Tuning with NeuroAda's
 selection (`selection="neuron"`), a forward that keeps nothing of the weight's size for backward and an unmerge that
-writes back what the merge overwrote. Applied with `patch -p1` to a clean copy of the installed peft's source release,
-its own specs and Super-Tuning's rows of peft's custom-model table, the new per-neuron rows among them, pass in a
-process where the plugin cannot be imported. (Super-Tuning's other tests and its decoder rows load models from the
-Hub, which is not reachable here.)"""
+writes back what the merge overwrote. Applied with `patch -p1` to a clean copy of the source release the patches target
+(`TARGET_PEFT`), its own specs and Super-Tuning's rows of peft's custom-model table, the new per-neuron rows among
+them, pass in a process where the plugin cannot be imported; its decoder rows run on the local Llama stand-in.
+(Super-Tuning's other tests load models from the Hub, which is not reachable here.)"""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from peft_neuroada.supertuning_format import to_supertuning
 from tests.conftest import tiny_llama
 from tests.test_peft_upstream_suite import (
     HUB_ONLY,
-    STAND_INS,
-    TRANSFORMERS_DEPRECATIONS,
     apply_patch,
     extracted,
     hub_cache,
@@ -31,6 +29,7 @@ from tests.test_peft_upstream_suite import (
 )
 
 PATCH = Path(__file__).resolve().parents[1] / "docs" / "upstream" / "supertuning-neuron.patch"
+LLAMA = "peft-internal-testing/tiny-random-LlamaForCausalLM"  # the decoder stand-in Super-Tuning's rows run on
 RUNS = {
     "per-neuron specs": ["tests/test_supertuning.py", "-k", "PerNeuron"],
     "custom-model rows": ["tests/test_custom_models.py", "-k", "Supertuning"],
@@ -78,20 +77,19 @@ def stand_ins(tmp_path_factory) -> Path:
 
 def test_super_tuning_s_decoder_rows_pass_on_the_local_llama_stand_in(patched_release, stand_ins, tmp_path):
     """Super-Tuning's rows of peft's decoder table, the new per-neuron row among them, on the Llama stand-in that
-    tests/test_peft_upstream_suite.py builds for peft's tiny Hub model (the other models need the Hub)."""
+    tests/test_peft_upstream_suite.py builds for peft's tiny Hub model (one of its stand-ins keeps this run short)."""
     plugin = tmp_path / "plugin"
     plugin.mkdir()
     (plugin / "peft_tree_plugin.py").write_text(Path(__file__).with_name("peft_tree_plugin.py").read_text())
     env = {
         **without_the_plugin(patched_release, tmp_path, plugin),
         "HF_HUB_CACHE": str(stand_ins),
-        "NEUROADA_STAND_INS": json.dumps([model_id for model_id, _ in STAND_INS.values()]),
+        "NEUROADA_STAND_INS": json.dumps([LLAMA]),
         "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
         "NEUROADA_REPORT": str(tmp_path / "report.json"),
     }
     command = [sys.executable, "-m", "pytest", "tests/test_decoder_models.py", "-k", "Supertuning", "-q"]
     command += ["-p", "peft_tree_plugin", "-p", "no:cacheprovider", "-o", "addopts="]
-    command += [f"-W=ignore:{message}:FutureWarning" for message in TRANSFORMERS_DEPRECATIONS]
     completed = subprocess.run(command, capture_output=True, text=True, cwd=patched_release, env=env, timeout=900)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", completed.stdout)[1])
