@@ -4,6 +4,9 @@ truncated SVD keeps part of the delta (docs/guide.md#converting-to-lora). What p
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model, set_peft_model_state_dict
@@ -64,3 +67,16 @@ def test_moe_experts_are_refused_by_type_as_peft_refuses_layers_it_cannot_conver
     model = get_peft_model(tiny_causal_lm("qwen3_moe"), NeuroAdaConfig(k=2))
     with pytest.raises(TypeError, match="do not support LoRA conversion: .*ParamWrapper"):
         convert_to_lora(model, rank=4)
+
+
+def test_the_guide_reports_the_committed_conversion_measurements():
+    """docs/guide.md's table is benchmarks/lora_conversion.py's committed data, rounded."""
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "docs" / "study" / "lora-conversion.json").read_text())
+    guide = " ".join((root / "docs" / "guide.md").read_text().split())
+    for budget in data["budgets"]:
+        ranks = {entry["rank"]: entry for entry in budget["ranks"]}
+        kept = " / ".join(f"{ranks[rank]['energy_kept']:.0%}" for rank in (16, 64, 256))
+        kl = " / ".join(f"{ranks[rank]['kl']:.2f}" for rank in (16, 64))
+        assert f"k={budget['k']} ({budget['neuroada_parameters']:,} parameters)" in guide
+        assert kept in guide and kl in guide, (kept, kl)
