@@ -7,9 +7,9 @@ patch.
 
 What runs: every NeuroAda case of test_custom_models.py, test_config.py (but the three tests that read an adapter
 repository on the Hub) and test_neuroada.py, and those of the test files whose models come from the Hub (decoder,
-encoder-decoder, feature-extraction, sequence-classification) on every model they list, each built here from a config
-as a local stand-in for peft's tiny Hub model (`STAND_INS`). After each patch of the series but the last, the first
-three files run.
+encoder-decoder, feature-extraction, sequence-classification) on every model they list but three decoders
+(`SERVED`), each built here from a config as a local stand-in for peft's tiny Hub model (`STAND_INS`). After each
+patch of the series but the last, the first three files run.
 """
 
 from __future__ import annotations
@@ -157,6 +157,14 @@ STAND_INS: dict[str, Callable[[], PreTrainedModel]] = {
         LlamaConfig(num_key_value_heads=2, pad_token_id=0, **TINY)
     ),
 }
+# Decoders the suite's run leaves out (each adds about 6 s to about 300): those kept are the paper's Llama, GPT-2's
+# Conv1D and OPT, peft's reference decoder. `NEUROADA_ALL_DECODERS=1` serves all (docs/upstream.md: command, counts).
+LEFT_OUT_DECODERS = (
+    "peft-internal-testing/tiny-random-GPTJForCausalLM",
+    "peft-internal-testing/tiny-dummy-qwen2",
+    "hf-internal-testing/tiny-random-Gemma3ForCausalLM",
+)
+SERVED = [model for model in STAND_INS if os.environ.get("NEUROADA_ALL_DECODERS") or model not in LEFT_OUT_DECODERS]
 CUSTOM_MODEL_CASES = [f"Vanilla MLP {i} NeuroAda" for i in range(1, 6)]
 CUSTOM_MODEL_CASES += ["Vanilla MLP 6 NeuroAda half the neurons", "Embedding + transformers Conv1D 1 NeuroAda"]
 
@@ -225,8 +233,8 @@ def hub(tmp_path_factory) -> Path:
 
 
 def run_peft_tests(tree: Path, scratch: Path, hub: Path, files: tuple[str, ...]) -> dict:
-    """peft's test `files`, `-k neuroada`, in a fresh interpreter on `tree` (the Hub-model files' on every stand-in):
-    the JUnit test cases and which peft ran."""
+    """peft's test `files`, `-k neuroada`, in a fresh interpreter on `tree` (the Hub-model files' on the `SERVED`
+    stand-ins): the JUnit test cases and which peft ran."""
     plugin = scratch / "plugin"
     plugin.mkdir()
     shutil.copy(Path(__file__).with_name("peft_tree_plugin.py"), plugin)
@@ -234,7 +242,7 @@ def run_peft_tests(tree: Path, scratch: Path, hub: Path, files: tuple[str, ...])
     env = {
         **without_the_plugin(tree, scratch, plugin),
         "HF_HUB_CACHE": str(hub),
-        "NEUROADA_STAND_INS": json.dumps(list(STAND_INS)),
+        "NEUROADA_STAND_INS": json.dumps(SERVED),
         "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
         "NEUROADA_REPORT": str(report),
     }
@@ -398,7 +406,7 @@ def test_every_model_the_hub_model_tests_list_has_a_local_stand_in(patched_tree)
     assert listed == STAND_INS.keys()
 
 
-@pytest.mark.parametrize("model_id", STAND_INS)
+@pytest.mark.parametrize("model_id", SERVED)
 def test_hub_model_tests_run_neuroada_cases_on_every_model_s_local_stand_in(peft_run, patched_tree, model_id):
     file = next(file for file in HUB_FILES if model_id in models_tested(patched_tree / file))
     assert len(ran(peft_run["cases"], file, model_id)) >= 10
@@ -413,7 +421,7 @@ def documented(pattern: str) -> int:
 
 # Where docs/upstream.md ("What the spec runs") gives how many cases of each Hub-model file ran on the stand-ins.
 STAND_IN_COUNTS = {
-    "tests/test_decoder_models.py": r"the decoder file \(([\d,]+) cases on its 6 models\)",
+    "tests/test_decoder_models.py": r"the decoder file \(([\d,]+) cases on 3 of its 6 models",
     "tests/test_encoder_decoder_models.py": r"the encoder-decoder file \(([\d,]+) on 2\)",
     "tests/test_feature_extraction_models.py": r"feature extraction \(([\d,]+) on 4\)",
     "tests/test_seq_classifier.py": r"sequence classification \(([\d,]+) on 3\)",
@@ -424,13 +432,12 @@ def test_upstream_md_gives_the_case_counts_of_this_run(peft_run):
     """The counts of cases in docs/upstream.md are this run's (other pages link there instead of repeating them)."""
     cases = peft_run["cases"]
     generic = [of_file(cases, RUN_FILES[0], f"[{name}-") for name in CUSTOM_MODEL_CASES]
+    tests = [len({case.get("name").split("[")[0] for case in of}) for of in generic]
     counted = {
         "cases": len(cases),
         "skipped": sum(case.find("skipped") is not None for case in cases),
         "custom-model cases": len(of_file(cases, RUN_FILES[0])),
-        "generic tests per single-adapter case": sorted(
-            {len({c.get("name").split("[")[0] for c in of}) for of in generic}
-        ),
+        "generic tests per single-adapter case": [min(tests), max(tests)],
         **{file: len(ran(cases, file)) for file in HUB_FILES},
     }
     said = {
