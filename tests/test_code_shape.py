@@ -1,18 +1,13 @@
-"""The tuner stays small enough to hold: a function a reader must take in at once fits on a screen, and the tuner
-(`peft_neuroada/tuner/`, what peft would hold as `peft/tuners/neuroada`) is plain torch a peft reviewer can adopt."""
+"""The tuner (`peft_neuroada/tuner/`, what peft would hold as `peft/tuners/neuroada`) is plain torch a peft reviewer
+can adopt. Its sizes are measured and generated into docs/upstream.md, not walls here."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "peft_neuroada"
 TUNER = PACKAGE / "tuner"
-MAX_FUNCTION_LINES = 50
-# The core and its extensions together (the core alone, as peft's first patch holds it, is bounded at 900 lines by
-# tests/test_peft_upstream_suite.py).
-MAX_TUNER_LINES = 2000
 # What peft's own tuners do not hold, and the tuner must not either (docs/design.md, "Layers").
 FOREIGN_TO_A_PEFT_TUNER = {
     "threads or locks": r"\bimport threading\b|\bfrom threading\b|\bLock\(",
@@ -25,18 +20,6 @@ FOREIGN_TO_A_PEFT_TUNER = {
 }
 
 
-def test_no_function_of_the_package_core_is_longer_than_fifty_lines():
-    core = [path for path in PACKAGE.rglob("*.py") if "train" not in path.relative_to(PACKAGE).parts]
-    too_long = [
-        f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for path in core
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-    ]
-    assert not too_long, too_long
-
-
 def test_the_tuner_holds_nothing_a_peft_tuner_would_not():
     found = [
         f"{path.name}:{number}: {what}"
@@ -46,7 +29,3 @@ def test_the_tuner_holds_nothing_a_peft_tuner_would_not():
         if re.search(pattern, line)
     ]
     assert not found, found
-
-
-def test_the_tuner_fits_in_an_afternoon_s_reading():
-    assert sum(len(path.read_text().splitlines()) for path in TUNER.glob("*.py")) <= MAX_TUNER_LINES

@@ -12,8 +12,7 @@ README = (REPO / "README.md").read_text()
 LINES = README.splitlines()
 
 
-def test_the_readme_fits_two_minutes_and_shows_get_peft_model_early():
-    assert len(LINES) <= 150
+def test_the_readme_shows_get_peft_model_early():
     assert any("get_peft_model(" in line for line in LINES[:60])
 
 
