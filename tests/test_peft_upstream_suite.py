@@ -317,12 +317,11 @@ def test_peft_s_tests_pass_after_each_patch_of_the_series(upstream_patch, peft_r
     assert bool(mixed) == (stage >= [s.slug for s in upstream_patch.SERIES].index("mixed-batches"))
 
 
-def test_the_core_meets_its_bounds(upstream_patch, peft_release):
-    """The first patch's tuner: at most 900 lines, at most 4 BaseTuner overrides beyond `_create_and_replace`, no
-    private name of torch's module hooks (global or a module's own) or of accelerate's hooks, and no later patch's
-    file or class."""
+def test_the_core_keeps_its_rules(upstream_patch, peft_release):
+    """The first patch's tuner: at most 4 BaseTuner overrides beyond `_create_and_replace`, no private name of
+    torch's module hooks (global or a module's own) or of accelerate's hooks, and no later patch's file or class (its
+    size is measured into docs/upstream.md)."""
     core = upstream_patch.peft_style(upstream_patch.tuner_files(0))
-    assert sum(len(text.splitlines()) for text in core.values()) <= 900
     assert len([name for name in upstream_patch.stage_overrides(0) if name != "_create_and_replace"]) <= 4
     later = {name for stage in upstream_patch.SERIES[1:] for name in (*stage.classes, *stage.definitions)}
     for path, text in core.items():
