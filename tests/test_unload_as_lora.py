@@ -31,11 +31,11 @@ def lora(**options) -> LoraConfig:
     return LoraConfig(r=2, init_lora_weights=False, target_modules=TARGETS, **options)
 
 
-def trained(build, config, head: str, adapters: tuple[str, ...] = ("one",), **head_of) -> torch.nn.Module:
+def trained(build, config, head: str, adapters: tuple[str, ...] = ("one",), **options) -> torch.nn.Module:
     """A PeftModel of `config` per adapter name, each adapter's `head` copy moved by its own seed (training)."""
-    model = get_peft_model(build(), config(modules_to_save=[head], **head_of), adapter_name=adapters[0])
+    model = get_peft_model(build(), config(modules_to_save=[head], **options), adapter_name=adapters[0])
     for name in adapters[1:]:
-        model.add_adapter(name, config(modules_to_save=[head], **head_of))
+        model.add_adapter(name, config(modules_to_save=[head], **options))
     wrapper = model.get_submodule(f"base_model.model.{head}")
     for seed, name in enumerate(adapters, start=1):
         generator = torch.Generator().manual_seed(seed)
@@ -63,7 +63,7 @@ def test_merge_and_unload_keeps_the_trained_head_and_merges_the_deltas(case):
     build, head, options = CASES[case]
     expected = {}
     for config in (neuroada, lora):
-        model = trained(build, lambda **o: config(**o, **options), head)
+        model = trained(build, config, head, **options)
         expected[config] = outputs(model)
         merged = model.merge_and_unload()
         torch.testing.assert_close(outputs(merged), expected[config], rtol=1e-5, atol=1e-5)
@@ -76,18 +76,18 @@ def test_unload_returns_the_head_lora_s_unload_returns(case):
     build, head, options = CASES[case]
     heads = {}
     for config in (neuroada, lora):
-        unloaded = trained(build, lambda **o: config(**o, **options), head).unload()
+        unloaded = trained(build, config, head, **options).unload()
         heads[config] = unloaded.get_submodule(head).weight
     torch.testing.assert_close(heads[neuroada], heads[lora], rtol=0, atol=0)
 
 
 def test_merging_one_of_two_adapters_keeps_that_adapter_s_head():
-    model = trained(classifier, lambda **o: neuroada(task_type="SEQ_CLS", **o), "score", adapters=("one", "two"))
+    model = trained(classifier, neuroada, "score", adapters=("one", "two"), task_type="SEQ_CLS")
     expected = outputs(model, "two")
     model.set_adapter("one")
     merged = model.merge_and_unload(adapter_names=["two"])
     torch.testing.assert_close(outputs(merged), expected, rtol=1e-5, atol=1e-5)
-    control = trained(classifier, lambda **o: lora(task_type="SEQ_CLS", **o), "score", adapters=("one", "two"))
+    control = trained(classifier, lora, "score", adapters=("one", "two"), task_type="SEQ_CLS")
     control.set_adapter("one")
     torch.testing.assert_close(
         merged.score.weight, control.merge_and_unload(adapter_names=["two"]).score.weight, rtol=0, atol=0
@@ -95,11 +95,11 @@ def test_merging_one_of_two_adapters_keeps_that_adapter_s_head():
 
 
 def test_merging_two_adapters_that_both_save_the_head_is_refused_before_anything_changes():
-    model = trained(classifier, lambda **o: neuroada(task_type="SEQ_CLS", **o), "score", adapters=("one", "two"))
+    model = trained(classifier, neuroada, "score", adapters=("one", "two"), task_type="SEQ_CLS")
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match="Only one adapter can be set at a time"):
         model.merge_and_unload(adapter_names=["one", "two"])
-    control = trained(classifier, lambda **o: lora(task_type="SEQ_CLS", **o), "score", adapters=("one", "two"))
+    control = trained(classifier, lora, "score", adapters=("one", "two"), task_type="SEQ_CLS")
     with pytest.raises(ValueError, match="Only one adapter can be set at a time"):
         control.merge_and_unload(adapter_names=["one", "two"])
     assert not any(layer.merged for layer in model.modules() if isinstance(layer, NeuroAdaLayer))
