@@ -81,25 +81,28 @@ def test_unload_returns_the_head_lora_s_unload_returns(case):
     torch.testing.assert_close(heads[neuroada], heads[lora], rtol=0, atol=0)
 
 
-def test_merging_one_of_two_adapters_keeps_that_adapter_s_head():
-    model = trained(classifier, neuroada, "score", adapters=("one", "two"), task_type="SEQ_CLS")
+@pytest.mark.parametrize("case", CASES)
+def test_merging_one_of_two_adapters_keeps_that_adapter_s_head(case):
+    build, head, options = CASES[case]
+    model = trained(build, neuroada, head, adapters=("one", "two"), **options)
     expected = outputs(model, "two")
     model.set_adapter("one")
     merged = model.merge_and_unload(adapter_names=["two"])
     torch.testing.assert_close(outputs(merged), expected, rtol=1e-5, atol=1e-5)
-    control = trained(classifier, lora, "score", adapters=("one", "two"), task_type="SEQ_CLS")
+    control = trained(build, lora, head, adapters=("one", "two"), **options)
     control.set_adapter("one")
-    torch.testing.assert_close(
-        merged.score.weight, control.merge_and_unload(adapter_names=["two"]).score.weight, rtol=0, atol=0
-    )
+    control_head = control.merge_and_unload(adapter_names=["two"]).get_submodule(head)
+    torch.testing.assert_close(merged.get_submodule(head).weight, control_head.weight, rtol=0, atol=0)
 
 
-def test_merging_two_adapters_that_both_save_the_head_is_refused_before_anything_changes():
-    model = trained(classifier, neuroada, "score", adapters=("one", "two"), task_type="SEQ_CLS")
+@pytest.mark.parametrize("case", CASES)
+def test_merging_two_adapters_that_both_save_the_head_is_refused_before_anything_changes(case):
+    build, head, options = CASES[case]
+    model = trained(build, neuroada, head, adapters=("one", "two"), **options)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match="Only one adapter can be set at a time"):
         model.merge_and_unload(adapter_names=["one", "two"])
-    control = trained(classifier, lora, "score", adapters=("one", "two"), task_type="SEQ_CLS")
+    control = trained(build, lora, head, adapters=("one", "two"), **options)
     with pytest.raises(ValueError, match="Only one adapter can be set at a time"):
         control.merge_and_unload(adapter_names=["one", "two"])
     assert not any(layer.merged for layer in model.modules() if isinstance(layer, NeuroAdaLayer))
