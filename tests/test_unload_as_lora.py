@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from peft_neuroada import NeuroAdaConfig, NeuroAdaLayer
+from peft_neuroada import NeuroAdaLayer
 from tests.conftest import tiny_llama
-
-TARGETS = ["q_proj", "v_proj"]
-IDS = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+from tests.test_lora_control import lora, neuroada, outputs
 
 
 def classifier() -> LlamaForSequenceClassification:
@@ -21,14 +19,6 @@ def classifier() -> LlamaForSequenceClassification:
     config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)  # fmt: skip
     return LlamaForSequenceClassification(config).eval()
-
-
-def neuroada(**options) -> NeuroAdaConfig:
-    return NeuroAdaConfig(k=2, init_weights=False, target_modules=TARGETS, **options)
-
-
-def lora(**options) -> LoraConfig:
-    return LoraConfig(r=2, init_lora_weights=False, target_modules=TARGETS, **options)
 
 
 def trained(build, config, head: str, adapters: tuple[str, ...] = ("one",), **options) -> torch.nn.Module:
@@ -43,13 +33,6 @@ def trained(build, config, head: str, adapters: tuple[str, ...] = ("one",), **op
             for parameter in wrapper.modules_to_save[name].parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator))
     return model
-
-
-def outputs(model, adapter: str | None = None) -> torch.Tensor:
-    if adapter is not None:
-        model.set_adapter(adapter)
-    with torch.no_grad():
-        return model(IDS).logits
 
 
 CASES = {
@@ -85,7 +68,8 @@ def test_unload_returns_the_head_lora_s_unload_returns(case):
 def test_merging_one_of_two_adapters_keeps_that_adapter_s_head(case):
     build, head, options = CASES[case]
     model = trained(build, neuroada, head, adapters=("one", "two"), **options)
-    expected = outputs(model, "two")
+    model.set_adapter("two")
+    expected = outputs(model)
     model.set_adapter("one")
     merged = model.merge_and_unload(adapter_names=["two"])
     torch.testing.assert_close(outputs(merged), expected, rtol=1e-5, atol=1e-5)
