@@ -28,8 +28,7 @@ from torch import nn
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.accel import sparse_products
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.tuner.forward import Placement
-from peft_neuroada.tuner.merged_copy import merged_copy
+from peft_neuroada.tuner.forward import Placement, merged_copy
 
 
 @dataclass

@@ -6,7 +6,8 @@ from .registration import register  # first: it refuses an older peft before any
 from .budget import k_for_budget
 from .config import NeuroAdaConfig
 from .gradient_selection import select_by_gradient
-from .layers import Linear, ParamWrapper
+from .layers import NeuroAdaLinear as Linear
+from .layers import ParamWrapper
 from .model import NeuroAdaModel
 from .tuner.layer import NeuroAdaLayer
 

@@ -6,7 +6,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from peft.config import PeftConfig
 from peft.utils import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
@@ -19,8 +18,6 @@ from .tuner import config as tuner_config
 @dataclass
 class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
     __doc__ = tuner_config.NeuroAdaConfig.__doc__
-    # 'gradient': chosen by magnitude until `select_by_gradient` re-selects them (gradient_selection.py).
-    strategies: ClassVar[tuple[str, ...]] = (*tuner_config.NeuroAdaConfig.strategies, "gradient")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -14,11 +14,18 @@ from torch import nn
 from .tuner.experts import ParamWrapper
 from .tuner.layer import NeuroAdaLayer
 from .tuner.selection import INDEX_DTYPE as BUFFER_DTYPE
-from .tuner.selection import select_inputs
+from .tuner.selection import STRATEGIES, Strategy, select_inputs
 
 Batch = dict[str, torch.Tensor]
 Layers = list[tuple[str, NeuroAdaLayer]]
 LossOf = Callable[[nn.Module, Batch], torch.Tensor]
+
+# selection="gradient": inputs chosen by magnitude when the adapter is made, until `select_by_gradient` re-selects.
+STRATEGIES["gradient"] = Strategy(
+    STRATEGIES["magnitude"].score,
+    then=f"call {__name__}.select_by_gradient(model, calibration_batches) before training: until then, inputs are "
+    "chosen by magnitude",
+)
 
 
 def _layer_groups(layers: Layers, budget: int) -> Iterator[Layers]:

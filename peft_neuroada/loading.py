@@ -1,6 +1,6 @@
 """A saved adapter's config checked against its weights file's header before injection, before any delta is
 allocated (`check_saved_deltas`). The tensors themselves are checked by the tuner as they load
-(tuner/guards.py)."""
+(guards.py)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
@@ -16,17 +17,24 @@ from transformers.pytorch_utils import Conv1D
 
 from . import layers
 from .config import NeuroAdaConfig
-from .gradient_selection import select_by_gradient
+from .gradient_selection import STRATEGIES
+from .guards import (
+    BUFFER_DTYPE,
+    INDEX_TENSORS,
+    check_before_load,
+    check_saved_tensors,
+    guard_loads,
+    mark_shared_weights,
+)
 from .loading import check_saved_deltas
 from .peft_compat import PeftCompat, without_wrapper_names
-from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
+from .quantized import torchao_config_of, unreadable_quantized_weight, unreadable_weight, unsupported_quantization
 from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
 from .tuner.config import LLAMA_STYLE_TARGETS
 from .tuner.experts import expert_projections
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
-from .tuner.mixed_batch import names_handed_to
-from .tuner.quantized_merge import unreadable_weight
+from .tuner.model import names_handed_to
 from .weighted_adapters import WeightedAdapters
 
 # Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
@@ -35,6 +43,57 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj":
 
 class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
     __doc__ = tuner_model.NeuroAdaModel.__doc__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(check_before_load)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, with saved indices checked and turned into the layers' buffers; warns if chosen on another base."""
+        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        elsewhere = [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, cls.tuner_layer_cls) and adapter_name in module.neuroada_indices
+            if check_saved_tensors(module, name, adapter_name, remapped)
+        ]
+        if elsewhere and STRATEGIES[config.selection].then is None:  # (columns chosen later are the user's choice)
+            more = f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else ""
+            warnings.warn(
+                f"NeuroAda adapter '{adapter_name}' was selected on another base model: at {', '.join(elsewhere[:3])}"
+                f"{more}, most saved input columns are not among those this base's weights select. It loads and runs "
+                "as saved, but was trained on other weights: load it on the base model it was trained on.",
+                stacklevel=2,
+            )
+        return remapped
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """peft's, refused before anything is written where index buffers were cast: they would load nowhere."""
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        for key, tensor in selected.items():
+            if any(f".{name}" in key for name in INDEX_TENSORS) and tensor.dtype != BUFFER_DTYPE:
+                raise ValueError(
+                    f"Refusing to save NeuroAda adapter '{adapter_name}': {key} is a {tensor.dtype} tensor, where "
+                    f"{BUFFER_DTYPE} indices belong (converted, e.g. by `model.type(...)`), and would load as other "
+                    "columns. Nothing was written: load the adapter again from its saved files."
+                )
+        return selected
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too."""
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        mark_shared_weights(model, self.tuner_layer_cls)
+
+    def _check_merge_allowed(self) -> None:
+        """peft's, then which weights are shared now (a merge into one would change its other holders)."""
+        super()._check_merge_allowed()
+        mark_shared_weights(self.model, self.tuner_layer_cls)
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
         """The tuner's defaults; a new adapter that leaves some of the paper's projections out says which, once."""
@@ -96,16 +155,9 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         super()._post_injection_hook(model, config, adapter_name)
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada", "peft-neuroada"])  # in the card save_pretrained writes
-        if config.selection == "gradient" and not config.inference_mode:
-            warnings.warn(
-                f"Adapter '{adapter_name}' uses selection='gradient': inputs are chosen by magnitude until you call "
-                f"{select_by_gradient.__module__}.select_by_gradient(model, calibration_batches) before training.",
-                stacklevel=2,
-            )
 
-    @classmethod
+    @staticmethod
     def _create_new_module(
-        cls,
         config: NeuroAdaConfig,
         adapter_name: str,
         target: nn.Module,
@@ -113,14 +165,24 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         tuner: BaseTuner,
         parameter_name: str | None = None,
     ) -> NeuroAdaLayer:
-        """The plugin's layers, where the tuner creates its own."""
+        """The tuner's layers with the plugin's components, their loads guarded."""
         if parameter_name is not None:
-            return layers.ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
-        new_module = layers.Linear(
-            target, adapter_name, config, **cls._linear_kwargs(config, target, current_key, tuner)
+            given = layers.parameter_components()
+            layer = layers.ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key, **given)
+            guard_loads(layer)
+            return layer
+        kwargs = tuner_model.NeuroAdaModel._linear_kwargs(config, target, current_key, tuner)
+        return layers.NeuroAdaLinear(
+            target, adapter_name, config, requantize_with=torchao_config_of(tuner.model), **kwargs
         )
-        new_module.requantize_with = torchao_config_of(tuner.model)
-        return new_module
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """peft's, also dropping what the layers keep of the adapter (a merged adapter cannot be deleted: peft refuses,
+        as its merge record must stay)."""
+        super().delete_adapter(adapter_name)
+        for module in self.model.modules():
+            if isinstance(module, NeuroAdaLayer) and isinstance(module.placements, layers.KeptPlacements):
+                module.placements.forget(set(module.neuroada_delta))
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:

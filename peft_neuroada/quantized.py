@@ -9,10 +9,11 @@ import re
 from typing import Any, NamedTuple
 
 import torch
+from accelerate.hooks import AlignDevicesHook
 from peft.utils.quantization_utils import Bnb4bitBackend, Bnb8bitBackend, QuantizationBackend, TorchaoBackend
 from torch import nn
 
-from .tuner.quantized_merge import FULL_PRECISION_HINT
+from .tuner.layer import FULL_PRECISION_HINT
 from .tuner.selection import rows_per_block
 
 # Quantized linear layers NeuroAda cannot read, by the package that defines them.
@@ -316,3 +317,11 @@ def torchao_config_of(model: nn.Module) -> Any:
     config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
     get_config = getattr(config, "get_apply_tensor_subclass", None)
     return get_config() if callable(get_config) else None
+
+
+def unreadable_weight(base: nn.Module) -> str | None:
+    """Why the values of `base`'s weight cannot be read to select inputs (None: they can)."""
+    hook = getattr(base, "_hf_hook", None)
+    if isinstance(hook, AlignDevicesHook) and hook.offload:
+        return "it is offloaded by accelerate"
+    return "it is on the meta device (offloaded or not loaded)" if base.weight.is_meta else None

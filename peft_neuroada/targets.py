@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .tuner.config import TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING, NeuroAdaConfig
-from .tuner.experts import TARGETS_REQUIRED, expert_projections, parameters_without_wrappers
+from .tuner.experts import expert_projections, parameters_without_wrappers
+from .tuner.model import TARGETS_REQUIRED
 
 
 def default_targets(model_type: str | None, target_parameters: list[str] | None) -> set[str]:

@@ -49,7 +49,7 @@ class WeightedAdapters(BaseTuner):
         try:
             self.inject_adapter(self.model, adapter_name)
             for layer in layers.values():
-                layer.set_weighted_sum(adapter_name, adapters, weights)
+                set_weighted_sum(layer, adapter_name, adapters, weights)
             for wrapper, holder in heads:
                 wrapper.modules_to_save[adapter_name].load_state_dict(wrapper.modules_to_save[holder].state_dict())
         except BaseException:
@@ -93,7 +93,7 @@ class WeightedAdapters(BaseTuner):
         if refusal := self._layer_and_parameter_refusal(adapters):
             return refusal
         for name, layer in self.model.named_modules():
-            if isinstance(layer, NeuroAdaLayer) and (conflict := layer.placement_conflict(adapters)):
+            if isinstance(layer, NeuroAdaLayer) and (conflict := placement_conflict(layer, adapters)):
                 return (
                     f"Cannot combine NeuroAda adapters exactly at layer '{name}': {conflict} (their indices differ), "
                     "so no single set of k deltas per neuron holds their sum. Combine adapters trained with the same "
@@ -156,33 +156,33 @@ class WeightedAdapters(BaseTuner):
         return config
 
 
-class WeightedLayer:
-    """The layer's side (mixed in before the tuner's layers)."""
+def placement_conflict(layer: NeuroAdaLayer, adapters: Sequence[str]) -> str | None:
+    """Why the deltas of `adapters` here sit on different entries (no weighted sum of them is exact), or None."""
+    present = [name for name in adapters if name in layer.neuroada_delta]
+    for other in present[1:]:
+        for held in (layer.neuroada_indices, layer.neuroada_rows):
+            first = held[present[0]] if present[0] in held else None
+            second = held[other] if other in held else None
+            if (first is None) != (second is None) or (first is not None and not torch.equal(first, second)):
+                return f"adapters '{present[0]}' and '{other}' tune different input connections"
+    return None
 
-    def placement_conflict(self, adapters: Sequence[str]) -> str | None:
-        """Why the deltas of `adapters` here sit on different entries (no weighted sum of them is exact), or None."""
-        present = [name for name in adapters if name in self.neuroada_delta]
-        for other in present[1:]:
-            for held in (self.neuroada_indices, self.neuroada_rows):
-                first = held[present[0]] if present[0] in held else None
-                second = held[other] if other in held else None
-                if (first is None) != (second is None) or (first is not None and not torch.equal(first, second)):
-                    return f"adapters '{present[0]}' and '{other}' tune different input connections"
-        return None
 
-    def set_weighted_sum(self, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]) -> None:
-        """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
-        in at least float32 and stored in the widest of the sources' dtypes: the new adapter is created in the base
-        weight's dtype, which peft's float32 upcast of `add_adapter` never reaches here (adapters this layer lacks add
-        nothing)."""
-        sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in self.neuroada_delta]
-        deltas = [self.neuroada_delta[name].detach() for name, _ in sources]
-        widest = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas))
-        dtype = torch.promote_types(widest, torch.float32)
-        total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
-        first = sources[0][0]
-        self.neuroada_indices[adapter_name] = self.neuroada_indices[first].clone()
-        if first in self.neuroada_rows:
-            self.neuroada_rows[adapter_name] = self.neuroada_rows[first].clone()
-        own = self.neuroada_delta[adapter_name]
-        self.neuroada_delta[adapter_name] = nn.Parameter(total.to(widest), requires_grad=own.requires_grad)
+def set_weighted_sum(
+    layer: NeuroAdaLayer, adapter_name: str, adapters: Sequence[str], weights: Sequence[float]
+) -> None:
+    """Make adapter `adapter_name` (added already) `Σ weights[i] · adapters[i]` on their shared placement, summed
+    in at least float32 and stored in the widest of the sources' dtypes: the new adapter is created in the base
+    weight's dtype, which peft's float32 upcast of `add_adapter` never reaches here (adapters this layer lacks add
+    nothing)."""
+    sources = [(name, w) for name, w in zip(adapters, weights, strict=True) if name in layer.neuroada_delta]
+    deltas = [layer.neuroada_delta[name].detach() for name, _ in sources]
+    widest = functools.reduce(torch.promote_types, (delta.dtype for delta in deltas))
+    dtype = torch.promote_types(widest, torch.float32)
+    total = sum(weight * delta.to(dtype) for (_, weight), delta in zip(sources, deltas, strict=True))
+    first = sources[0][0]
+    layer.neuroada_indices[adapter_name] = layer.neuroada_indices[first].clone()
+    if first in layer.neuroada_rows:
+        layer.neuroada_rows[adapter_name] = layer.neuroada_rows[first].clone()
+    own = layer.neuroada_delta[adapter_name]
+    layer.neuroada_delta[adapter_name] = nn.Parameter(total.to(widest), requires_grad=own.requires_grad)

@@ -12,8 +12,7 @@ import torch
 from peft import get_peft_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
+from peft_neuroada import Linear, NeuroAdaConfig
 from peft_neuroada.train.models import load_default_model
 from tests.conftest import tiny_llama, train_on_batch
 

@@ -9,8 +9,7 @@ import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, inject_adapter_in_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
+from peft_neuroada import Linear, NeuroAdaConfig
 from tests.conftest import (
     named_neuroada_layers,
     neuroada_layers,

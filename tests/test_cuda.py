@@ -11,8 +11,7 @@ from conftest import indices_by_layer, logits, tiny_llama
 from peft import PeftModel, get_peft_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
+from peft_neuroada import Linear, NeuroAdaConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -138,8 +137,7 @@ def test_the_delta_gradient_on_cuda_is_one_gemm_in_the_operands_dtype_gathered_a
 
 
 def test_the_merged_copy_on_cuda_is_the_accumulating_writes_bits():
-    from peft_neuroada.tuner.forward import Placement, entry_index
-    from peft_neuroada.tuner.merged_copy import merged_copy
+    from peft_neuroada.tuner.forward import Placement, entry_index, merged_copy
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 48, generator=generator).to("cuda", torch.bfloat16)

@@ -12,9 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
-from peft_neuroada.tuner.merged_copy import copy_refusal
+from peft_neuroada import Linear, NeuroAdaConfig
+from peft_neuroada.merged_copy import copy_refusal
 from tests.conftest import neuroada_layers
 
 

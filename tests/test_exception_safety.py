@@ -15,8 +15,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
+from peft_neuroada import Linear, NeuroAdaConfig
 from tests.conftest import neuroada_layers, tiny_llama
 
 FAILURES = [RuntimeError, KeyboardInterrupt]

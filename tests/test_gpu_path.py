@@ -25,9 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.accel import sparse_products
 from peft_neuroada.tuner import forward
-from peft_neuroada.tuner.forward import Placement, entry_index
+from peft_neuroada.tuner.forward import Placement, entry_index, merged_copy
 from peft_neuroada.tuner.layer import Linear
-from peft_neuroada.tuner.merged_copy import merged_copy
 from tests.conftest import neuroada_layers, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.guards import saved_columns
 from peft_neuroada.tuner import forward
-from peft_neuroada.tuner.guards import saved_columns
 from tests.conftest import indices_by_layer, logits, tiny_llama
 
 

@@ -7,10 +7,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import Linear, NeuroAdaConfig
 from peft_neuroada.gradient_selection import reselect
-from peft_neuroada.layers import Linear
-from peft_neuroada.tuner.merged_copy import copy_refusal
+from peft_neuroada.merged_copy import copy_refusal
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

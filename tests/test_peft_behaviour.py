@@ -363,7 +363,7 @@ def test_trainer_resumed_from_a_checkpoint_continues_a_gradient_selected_run_exa
 def test_adapter_layers_are_plain_nn_modules_with_a_readable_repr():
     layer = neuroada_layers(get_peft_model(tiny_llama(), NeuroAdaConfig(k=1)))[0]
     assert isinstance(layer, nn.Module)
-    assert repr(layer).startswith("neuroada.Linear(")
+    assert repr(layer).startswith("neuroada.NeuroAdaLinear(")
 
 
 @pytest.mark.parametrize("make_model", [tiny_gpt2, tiny_bert, real_minilm], ids=["gpt2-conv1d", "bert", "minilm"])

@@ -14,7 +14,7 @@ import torch
 from peft import get_peft_model
 
 from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import PluginLayer
+from peft_neuroada.layers import KERNELS
 from tests.conftest import neuroada_layers, tiny_llama
 
 pytest.importorskip("triton")
@@ -66,7 +66,7 @@ def test_use_triton_plugs_into_one_models_layers_and_trains_as_the_tuners_produc
     config = NeuroAdaConfig(k=2, init_weights=False)
     plain, accelerated = get_peft_model(tiny_llama(), config), get_peft_model(tiny_llama(), config)
     assert use_triton(accelerated) == len(neuroada_layers(accelerated))
-    assert all(layer.kernels is PluginLayer.kernels for layer in neuroada_layers(plain))
+    assert all(layer.kernels is KERNELS for layer in neuroada_layers(plain))
     for model in (plain, accelerated):
         model(input_ids=token_batch, labels=token_batch).loss.backward()
     grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (plain, accelerated)]

@@ -1,7 +1,7 @@
-"""The tuner alone (`peft_neuroada.tuner`, as peft would hold it, without the plugin's layers) guards its indices
-wherever they enter a layer: a state dict loaded into the model or into one layer, and a merge of indices written
-since. Bad indices are refused before anything is loaded or written, on layers and on expert stacks alike. An adapter
-loaded onto another base model with the same shapes loads as saved, with a warning naming the layers."""
+"""The guards (guards.py, components of the plugin's layers and model) check indices wherever they enter a layer: a
+state dict loaded into the model or into one layer, and a merge of indices written since. Bad indices are refused
+before anything is loaded or written, on layers and on expert stacks alike. An adapter loaded onto another base
+model with the same shapes loads as saved, with a warning naming the layers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from peft import PeftModel, get_peft_model
 from peft.utils.quantization_utils import ForwardOnlyQuantizationBackend
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, NeuroAdaModel
 from peft_neuroada.tuner import config as tuner_config
 from peft_neuroada.tuner import experts, layer
 from peft_neuroada.tuner import model as tuner_model
@@ -33,16 +33,15 @@ BAD_COLUMNS = {
 }
 
 
-def tuner_alone(target: str) -> tuple[tuner_model.NeuroAdaModel, torch.nn.Module]:
-    """A tiny model with the tuner's own model and layers (no plugin class), and the layer under test."""
+def guarded(target: str) -> tuple[NeuroAdaModel, torch.nn.Module]:
+    """A tiny model with the plugin's model and layers, and the layer under test."""
     model_type, name, options = TARGETS[target]
     base = tiny_llama() if model_type == "llama" else tiny_causal_lm(model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = tuner_config.NeuroAdaConfig(k=2, init_weights=False, **options)
-        model = tuner_model.NeuroAdaModel(base, config, "default")
+        model = NeuroAdaModel(base, NeuroAdaConfig(k=2, init_weights=False, **options), "default")
     adapted = model.model.get_submodule(name)
-    assert type(adapted) in (layer.Linear, experts.ParamWrapper)
+    assert isinstance(adapted, (layer.Linear, experts.ParamWrapper))
     return model, adapted
 
 
@@ -58,15 +57,15 @@ def with_bad_column(model, adapted, change) -> tuple[dict[str, torch.Tensor], st
 
 @pytest.fixture(params=[(target, case) for target in TARGETS for case in BAD_COLUMNS], ids="-".join)
 def bad_column(request):
-    """A tuner-alone model, its layer under test, a state dict with one bad column there, its key, and the message."""
+    """A guarded model, its layer under test, a state dict with one bad column there, its key, and the message."""
     target, case = request.param
     change, message = BAD_COLUMNS[case]
-    model, adapted = tuner_alone(target)
+    model, adapted = guarded(target)
     state, key = with_bad_column(model, adapted, change)
     return model, adapted, state, key, message
 
 
-def test_the_tuner_alone_refuses_bad_columns_from_a_state_dict_before_anything_loads(bad_column):
+def test_bad_columns_from_a_state_dict_are_refused_from_a_state_dict_before_anything_loads(bad_column):
     model, adapted, state, key, message = bad_column
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with pytest.raises(ValueError, match=f"Refusing to load adapter 'default' at layer .*{message}.*Nothing"):
@@ -78,7 +77,7 @@ def test_the_tuner_alone_refuses_bad_columns_from_a_state_dict_before_anything_l
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
-def test_the_tuner_alone_refuses_to_merge_columns_written_since_and_writes_nothing(bad_column):
+def test_a_merge_of_columns_written_since_is_refused_and_writes_nothing(bad_column):
     model, adapted, state, key, message = bad_column
     with torch.no_grad():
         adapted.neuroada_indices["default"].copy_(state[key])  # a write no load_state_dict saw
@@ -88,10 +87,10 @@ def test_the_tuner_alone_refuses_to_merge_columns_written_since_and_writes_nothi
     assert torch.equal(adapted.weight_out_in(), weight) and not adapted.merged
 
 
-def test_the_tuner_alone_refuses_index_buffers_a_conversion_cast_before_computing():
-    model, adapted = tuner_alone("layer")
+def test_index_buffers_a_conversion_cast_are_refused_before_computing():
+    model, adapted = guarded("layer")
     model.model.type(torch.float64)  # casts every tensor, the index buffers too
-    with pytest.raises(ValueError, match="index buffers were converted.*Nothing was computed"):
+    with pytest.raises(ValueError, match="neuroada_indices is a torch.float64.*model.type.*Nothing was computed"):
         model.model(torch.tensor([[1, 2, 3]]))
 
 

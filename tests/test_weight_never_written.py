@@ -15,9 +15,8 @@ from peft import PeftModel, get_peft_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from peft_neuroada import NeuroAdaConfig
-from peft_neuroada.layers import Linear
-from peft_neuroada.tuner.merged_copy import BYPASS_MAX_TOKENS, FEW_TOKENS, copy_refusal
+from peft_neuroada import Linear, NeuroAdaConfig
+from peft_neuroada.merged_copy import BYPASS_MAX_TOKENS, FEW_TOKENS, copy_refusal
 from tests.conftest import TINY_LLAMA_DISK_MAP, logits, neuroada_layers, tiny_llama
 
 

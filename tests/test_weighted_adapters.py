@@ -9,10 +9,9 @@ import torch
 from peft import PeftModel, get_peft_model
 from torch import nn
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, weighted_adapters
 from peft_neuroada.train.models import load_default_model
 from peft_neuroada.tuner.experts import ParamWrapper
-from peft_neuroada.weighted_adapters import WeightedLayer
 from tests.conftest import (
     logits,
     named_neuroada_layers,
@@ -353,8 +352,8 @@ def test_a_failure_while_filling_the_new_adapter_removes_it_again(monkeypatch):
             raise RuntimeError("injected failure")
         original(layer, *args)
 
-    original = WeightedLayer.set_weighted_sum
-    monkeypatch.setattr(WeightedLayer, "set_weighted_sum", fail_on_third_layer)
+    original = weighted_adapters.set_weighted_sum
+    monkeypatch.setattr(weighted_adapters, "set_weighted_sum", fail_on_third_layer)
     with pytest.raises(RuntimeError, match="injected failure"):
         model.add_weighted_adapter(["one", "two"], [1.0, 1.0], "mix")
     assert adapter_state(model) == before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
 import torch
 from peft.config import PeftConfig
@@ -40,13 +40,106 @@ BIAS_OPTIONS = ("none", "all", f"{METHOD_NAME}_only")  # peft's, as its BaseTune
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.Generator.manual_seed's; layer_generator's XOR with a CRC32 stays inside
 
 
-class FieldChecks:
-    """Every field of a NeuroAda config checked by name before anything reads it (mixed in before `PeftConfig`):
-    loaded configs too, which peft builds from JSON."""
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_none_or_names(value: object, *kinds: type) -> bool:
+    """None, or one of `kinds`: a string, or a collection of strings."""
+    return value is None or (
+        isinstance(value, kinds) and (isinstance(value, str) or all(isinstance(v, str) for v in value))
+    )
+
+
+@dataclass
+class NeuroAdaConfig(PeftConfig):
+    """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
+    deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
+
+    Args:
+        k (`int`, *optional*, defaults to `1`):
+            Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
+        target_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names, a regex or 'all-linear'. None: the architecture's default projections (attention q/k/v/o,
+            MLP gate/up/down); an architecture without defaults must name them.
+        exclude_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            Module names or a regex to leave untouched.
+        target_parameters (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Parameters adapted by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), k per
+            neuron of each expert. None with target_modules None: the model's expert projections.
+        layers_to_transform (`Optional[Union[list[int], int]]`, *optional*, defaults to `None`):
+            Layer indices to adapt (all when None).
+        layers_pattern (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
+            The name of the model's list of layers, with layers_to_transform.
+        selection (`str`, *optional*, defaults to `"magnitude"`):
+            How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random' (selection.STRATEGIES).
+        selection_seed (`int`, *optional*, defaults to `0`):
+            Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
+        neuron_fraction (`float`, *optional*, defaults to `1.0`):
+            Share of each layer's neurons that is tuned (the paper's coverage ablation).
+        neuroada_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout on the deltas' input in training, as LoRA's `lora_dropout` (the frozen layer sees the input
+            unchanged).
+        fan_in_fan_out (`bool`, *optional*, defaults to `False`):
+            True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
+        init_weights (`bool`, *optional*, defaults to `True`):
+            Zero deltas, so the model starts as its base; False: random ones, for tests.
+        bias (`str`, *optional*, defaults to `"none"`):
+            Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
+        delta_dtype (`Optional[str]`, *optional*, defaults to `None`):
+            'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's `autocast_adapter_dtype`.
+        modules_to_save (`Optional[list[str]]`, *optional*, defaults to `None`):
+            Extra modules trained fully and saved with the adapter.
+    """
+
+    k: int = field(default=1, metadata={"help": "Inputs tuned per neuron (the paper: 1 or 20)."})
+    target_modules: list[str] | str | None = field(
+        default=None, metadata={"help": "Module names, a regex or 'all-linear'; None: the model's defaults."}
+    )
+    exclude_modules: list[str] | str | None = field(
+        default=None, metadata={"help": "Module names or a regex to leave untouched."}
+    )
+    target_parameters: list[str] | None = field(
+        default=None, metadata={"help": "Parameters to adapt by name, e.g. MoE experts' 'experts.gate_up_proj'."}
+    )
+    layers_to_transform: list[int] | int | None = field(
+        default=None, metadata={"help": "Layer indices to adapt (all when None)."}
+    )
+    layers_pattern: list[str] | str | None = field(
+        default=None, metadata={"help": "The model's list of layers, with layers_to_transform (e.g. 'h')."}
+    )
+    selection: str = field(default="magnitude", metadata={"help": "How inputs are chosen (the paper: magnitude)."})
+    selection_seed: int = field(default=0, metadata={"help": "Seed of 'random' and of neuron_fraction's draw."})
+    neuron_fraction: float = field(default=1.0, metadata={"help": "Share of each layer's neurons that is tuned."})
+    neuroada_dropout: float = field(
+        default=0.0, metadata={"help": "Dropout on the deltas' input in training, as LoRA's lora_dropout."}
+    )
+    fan_in_fan_out: bool = field(default=False, metadata={"help": "True for (in, out) weights like GPT-2's Conv1D."})
+    init_weights: bool = field(default=True, metadata={"help": "Zero deltas (False: random ones, for tests)."})
+    bias: Literal["none", "all", "neuroada_only"] = field(
+        default="none", metadata={"help": "Biases trained beside the deltas."}
+    )
+    delta_dtype: str | None = field(
+        default=None, metadata={"help": "float32, bfloat16 or float16; None follows autocast_adapter_dtype."}
+    )
+    modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Extra modules trained fully and saved with the adapter."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.peft_type = PeftType.NEUROADA
         self._check_fields()
+        self.neuron_fraction = float(self.neuron_fraction)
+        for name in ("target_modules", "exclude_modules"):
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, set(getattr(self, name)))
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
+        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
+            raise ValueError(
+                "NeuroAdaConfig.layers_to_transform cannot be used when target_modules is a str (a regex)."
+            )
 
     def _check_fields(self) -> None:
         """Refuse a wrong field by name before anything reads it (loaded configs too: peft builds them from JSON)."""
@@ -72,8 +165,8 @@ class FieldChecks:
                 "None, the name of the model's list of layers (e.g. 'layers', 'h') or a list of such names",
             ),
             "selection": (
-                isinstance(self.selection, str) and self.selection in self.strategies,
-                f"one of {self.strategies}",
+                isinstance(self.selection, str) and self.selection in STRATEGIES,
+                f"one of {tuple(STRATEGIES)}",
             ),
             "selection_seed": (
                 _is_int(self.selection_seed) and SEED_RANGE[0] <= self.selection_seed <= SEED_RANGE[1],
@@ -82,6 +175,12 @@ class FieldChecks:
             "neuron_fraction": (
                 isinstance(fraction, numbers.Real) and not isinstance(fraction, bool) and 0 < fraction <= 1,
                 "in (0, 1]: a number, the share of each layer's neurons that is tuned",
+            ),
+            "neuroada_dropout": (
+                isinstance(self.neuroada_dropout, numbers.Real)
+                and not isinstance(self.neuroada_dropout, bool)
+                and 0 <= self.neuroada_dropout < 1,
+                "a number in [0, 1): the probability of zeroing each input of the deltas in training",
             ),
             "fan_in_fan_out": (isinstance(self.fan_in_fan_out, bool), flag),
             "init_weights": (isinstance(self.init_weights, bool), flag),
@@ -95,100 +194,3 @@ class FieldChecks:
         for name, (ok, what) in accepted.items():
             if not ok:
                 raise ValueError(f"NeuroAdaConfig.{name} must be {what} (got {getattr(self, name)!r}).")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_none_or_names(value: object, *kinds: type) -> bool:
-    """None, or one of `kinds`: a string, or a collection of strings."""
-    return value is None or (
-        isinstance(value, kinds) and (isinstance(value, str) or all(isinstance(v, str) for v in value))
-    )
-
-
-def _field(default: Any, text: str) -> Any:
-    return field(default=default, metadata={"help": text})
-
-
-@dataclass
-class NeuroAdaConfig(FieldChecks, PeftConfig):
-    """Configuration for [`NeuroAdaModel`]: each neuron (output row) of the targeted linear layers gets `k` trainable
-    deltas on its inputs of largest |w|, stored with their column indices; the frozen weight is never copied.
-
-    Args:
-        k (`int`, *optional*, defaults to `1`):
-            Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer inputs tunes all of them.
-        target_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            Module names, a regex or 'all-linear'. None: the architecture's default projections (attention q/k/v/o,
-            MLP gate/up/down); an architecture without defaults must name them.
-        exclude_modules (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            Module names or a regex to leave untouched.
-        target_parameters (`Optional[list[str]]`, *optional*, defaults to `None`):
-            Parameters adapted by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), k per
-            neuron of each expert. None with target_modules None: the model's expert projections.
-        layers_to_transform (`Optional[Union[list[int], int]]`, *optional*, defaults to `None`):
-            Layer indices to adapt (all when None).
-        layers_pattern (`Optional[Union[list[str], str]]`, *optional*, defaults to `None`):
-            The name of the model's list of layers, with layers_to_transform.
-        selection (`str`, *optional*, defaults to `"magnitude"`):
-            How inputs are chosen per neuron: 'magnitude' (the paper), 'reverse' or 'random'.
-        selection_seed (`int`, *optional*, defaults to `0`):
-            Seed of 'random' and of neuron_fraction's draw, combined with each layer's name.
-        neuron_fraction (`float`, *optional*, defaults to `1.0`):
-            Share of each layer's neurons that is tuned (the paper's coverage ablation).
-        fan_in_fan_out (`bool`, *optional*, defaults to `False`):
-            True for (in, out) weights such as GPT-2's Conv1D (detected and corrected).
-        init_weights (`bool`, *optional*, defaults to `True`):
-            Zero deltas, so the model starts as its base; False: random ones, for tests.
-        bias (`str`, *optional*, defaults to `"none"`):
-            Biases trained beside the deltas: 'none', 'all' or 'neuroada_only'.
-        delta_dtype (`Optional[str]`, *optional*, defaults to `None`):
-            'float32', 'bfloat16' or 'float16' for the deltas; None follows peft's `autocast_adapter_dtype`.
-        modules_to_save (`Optional[list[str]]`, *optional*, defaults to `None`):
-            Extra modules trained fully and saved with the adapter.
-    """
-
-    k: int = _field(1, "Inputs tuned per neuron (the paper: 1 or 20); a layer with fewer uses all, with a warning.")
-    target_modules: list[str] | str | None = _field(None, "Names, a regex or 'all-linear'; None: the model's default.")
-    exclude_modules: list[str] | str | None = _field(None, "Module names or regex to leave untouched.")
-    target_parameters: list[str] | None = _field(
-        None,
-        "Parameters to adapt by name, as LoRA's: MoE experts' 3-D weights (e.g. 'experts.gate_up_proj'), top-k per "
-        "neuron of each expert. None with target_modules None: the model's expert projections.",
-    )
-    layers_to_transform: list[int] | int | None = _field(None, "Layer indices to adapt (all when None).")
-    layers_pattern: list[str] | str | None = _field(None, "Layer list name used with layers_to_transform, e.g. 'h'.")
-    selection: str = _field("magnitude", f"One of {STRATEGIES} (the paper: magnitude).")
-    selection_seed: int = _field(0, "Seed for 'random' and neuron_fraction, combined with each layer's name.")
-    neuron_fraction: float = _field(1.0, "Share of each layer's neurons, drawn with selection_seed, that is tuned.")
-    fan_in_fan_out: bool = _field(False, "True for (in, out) weights like GPT-2's Conv1D (detected and corrected).")
-    init_weights: bool = _field(True, "Zero deltas, so the model starts as its base (False: random ones, for tests).")
-    bias: Literal["none", "all", "neuroada_only"] = _field("none", "Biases trained beside the deltas (as LoRA's).")
-    delta_dtype: str | None = _field(None, "float32, bfloat16 or float16; None follows peft (autocast_adapter_dtype).")
-    modules_to_save: list[str] | None = _field(None, "Extra modules trained fully and saved with the adapter.")
-    strategies: ClassVar[tuple[str, ...]] = STRATEGIES  # the values `selection` takes
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.peft_type = PeftType[METHOD_NAME.upper()]
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"NeuroAdaConfig.k must be a positive integer (got {self.k!r}).")
-        if not 0 < self.neuron_fraction <= 1:
-            raise ValueError(f"NeuroAdaConfig.neuron_fraction must be in (0, 1] (got {self.neuron_fraction!r}).")
-        if self.selection not in self.strategies or (self.delta_dtype is not None and self.delta_dtype not in DTYPES):
-            raise ValueError(
-                f"NeuroAdaConfig.selection must be one of {self.strategies} and delta_dtype one of {sorted(DTYPES)} "
-                f"or None (got {self.selection!r}, {self.delta_dtype!r})."
-            )
-        self.neuron_fraction = float(self.neuron_fraction)
-        for name in ("target_modules", "exclude_modules"):
-            if isinstance(getattr(self, name), list):
-                setattr(self, name, set(getattr(self, name)))
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("NeuroAdaConfig.layers_pattern only has an effect together with layers_to_transform.")
-        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
-            raise ValueError(
-                "NeuroAdaConfig.layers_to_transform cannot be used when target_modules is a str (a regex)."
-            )

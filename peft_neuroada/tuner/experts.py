@@ -5,25 +5,24 @@ The stack is E * d_out neurons over d_in inputs (neuron `e * d_out + i` is row i
 deltas. The experts' own forward (an eager loop, grouped_mm, ...) cannot be replaced, so it runs on `W + P ⊙ Θ`, one
 transient copy per forward through torch's parametrization (as LoRA's `ParamWrapper` makes `W + B A`), whose dense
 gradient `_AddedAtPlacements` samples at the placements. Merge and unmerge write the entries, bit for bit.
-`ExpertsModel` wraps them in (mixed in before the tuner's model), and adapts the model's expert projections by default.
+The model wraps them in, and adapts the model's expert projections by default.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner
+from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .config import PREFIX, NeuroAdaConfig
-from .forward import Placement, entry_index, transformed, write_placed_
-from .guards import GuardedLayer
-from .layer import LinearForward, NeuroAdaLayer
-from .merged_copy import merged_copy
+from .forward import Placement, entry_index, merged_copy, transformed, write_placed_
+from .layer import NeuroAdaLayer
 
 # MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
 EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,16 +68,21 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
     )
 
 
-class ParamWrapper(GuardedLayer, LinearForward, nn.Module, NeuroAdaLayer):
+class ParamWrapper(nn.Module, NeuroAdaLayer):
     """NeuroAda on one parameter (`parameter_name`) of `base_layer`, a 3-D expert stack or a 2-D weight. Named as
     LoRA's: peft finds a parameter's wrapper by this class name. Several parameters of a module nest one each."""
+
+    # One more component: what each call runs under (a wrapper changes the experts module for the call, so a
+    # layer serving several threads may be given a lock).
+    call_guard: AbstractContextManager = nullcontext()
+    COMPONENTS = (*NeuroAdaLayer.COMPONENTS, "call_guard")
 
     def __init__(
         self, base_layer: nn.Module, adapter_name: str, parameter_name: str, config: NeuroAdaConfig, **kwargs: Any
     ) -> None:
         self.parameter_name = parameter_name
         super().__init__()
-        NeuroAdaLayer.__init__(self, base_layer)
+        NeuroAdaLayer.__init__(self, base_layer, **kwargs)
         if config.fan_in_fan_out:
             raise ValueError(
                 f"NeuroAda target_parameters take the layout from the module (its `is_transposed` or WEIGHT_LAYOUTS), "
@@ -135,17 +139,44 @@ class ParamWrapper(GuardedLayer, LinearForward, nn.Module, NeuroAdaLayer):
         """A tensor shaped like the parameter, seen as `weight_out_in` sees the parameter."""
         return tensor.transpose(-2, -1) if self._transposed() else tensor
 
-    def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> Any:
-        """The base module's own call on its parameter with the active adapters' deltas added."""
-        if self.get_param().is_meta or any(self.neuroada_delta[name].is_meta for name in adapters):
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        active = [name for name in self.active_adapters if name in self.neuroada_delta]
+        if self.merged or not active:
+            return self.base_layer(x, *args, **kwargs)
+        if self.get_param().is_meta or any(self.neuroada_delta[name].is_meta for name in active):
             raise ValueError(
                 f"NeuroAda expert weights ('{self.layer_name}') cannot run offloaded by accelerate (cpu_offload, "
                 "disk_offload, a device_map with offloaded modules): their deltas are added to the experts' "
                 "parameter, which offloading replaces. Nothing was computed. Merge first and offload the plain model "
                 "(`model.merge_and_unload()`), or keep the MoE layers in memory."
             )
-        with self._deltas_added(adapters):
+        with self.call_guard, self._deltas_added(active):
             return self.base_layer(x, *args, **kwargs)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Write the deltas into the parameter's entries, keeping what they overwrite; all or nothing."""
+        names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]
+        if not names:
+            return
+        self.check_mergeable(names)
+        merged_before = len(self.merged_adapters)
+        try:
+            with self._weight_writes(self.weight_out_in()):
+                for name in names:
+                    self._merge_entries(name, safe_merge)
+        except BaseException:
+            self.unmerge_to(merged_before)
+            raise
+
+    def unmerge(self) -> None:
+        """Restore the exact original entries, most recently merged adapter first."""
+        if not self.merged:
+            return warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+        self.unmerge_to(0)
 
     @contextmanager
     def _deltas_added(self, adapters: list[str]) -> Iterator[None]:
@@ -201,53 +232,6 @@ class _AddedAtPlacements(torch.autograd.Function):
         needed = zip(ctx.placements, ctx.delta_dtypes, ctx.needs_input_grad[2:], strict=True)
         grads = [grad[entry_index(grad, placement)].to(dtype) if need else None for placement, dtype, need in needed]
         return grad if ctx.needs_input_grad[0] else None, None, *grads
-
-
-TARGETS_REQUIRED = "Please specify `target_modules` or `target_parameters` in `peft_config`"  # LoRA's refusal
-
-
-class ExpertsModel:
-    """`target_parameters` for a NeuroAda model (mixed in before it): expert stacks get a `ParamWrapper`, and the
-    default targets take in the model's expert projections."""
-
-    def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
-        """peft's defaults (the architecture's projections), and the model's expert projections; as LoRA's, an
-        architecture without defaults takes `target_parameters` alone."""
-        defaulted = peft_config.target_modules is None
-        if defaulted and model_config.get("model_type") not in self.target_module_mapping:
-            if not peft_config.target_parameters:
-                raise ValueError(TARGETS_REQUIRED)
-            return peft_config
-        peft_config = super()._prepare_adapter_config(peft_config, model_config)
-        if defaulted and peft_config.target_parameters is None:
-            peft_config.target_parameters = sorted({short for short, _ in expert_projections(self.model)}) or None
-        return peft_config
-
-    def _check_new_adapter_config(self, config: NeuroAdaConfig) -> None:
-        """As LoRA's: adapters with target_parameters target the same ones (the saved keys encode the nesting)."""
-        super()._check_new_adapter_config(config)
-        for name, other in self.peft_config.items():
-            if other is not config and other.target_parameters and config.target_parameters:
-                if set(other.target_parameters) != set(config.target_parameters):
-                    raise ValueError(
-                        "NeuroAda adapters with target_parameters must all target the same parameters, but the new "
-                        f"adapter targets {sorted(config.target_parameters)} and adapter '{name}' "
-                        f"{sorted(other.target_parameters)}. Give it the same target_parameters."
-                    )
-
-    @classmethod
-    def _create_new_module(
-        cls,
-        config: NeuroAdaConfig,
-        adapter_name: str,
-        target: nn.Module,
-        current_key: str,
-        tuner: BaseTuner,
-        parameter_name: str | None = None,
-    ) -> NeuroAdaLayer:
-        if parameter_name is not None:
-            return ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key)
-        return super()._create_new_module(config, adapter_name, target, current_key, tuner)
 
 
 def expert_projections(model: nn.Module) -> list[tuple[str, str]]:

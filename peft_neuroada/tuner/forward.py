@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd import forward_ad
 
 
@@ -138,6 +138,20 @@ class Kernels(NamedTuple):
     bypass_input_grad: Callable[[Tensor, Tensor, Tensor | None, Tensor, int], Tensor] = bypass_input_grad
 
 
+def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up, one after another).
+    Each adapter's entries are read, added to and written back: no accumulating write, which CUDA sorts for and the
+    CPU runs on one thread (an adapter names each entry once, so the values are the same bits)."""
+    copy = weight.clone()
+    for placement, delta in zip(placements, deltas, strict=True):
+        index, values = entry_index(copy, placement), cast(delta, copy.dtype)
+        if transformed(delta) or transformed(copy):  # vmap may batch the delta, not the copy
+            copy = copy.index_put(index, copy[index] + values)
+        else:
+            copy.index_put_(index, copy[index] + values)
+    return copy
+
+
 def _flatten(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -190,20 +204,18 @@ class SparseBypass(torch.autograd.Function):
         return grad_x, None, None, None, None, None, grad_delta
 
 
-def bypassed(
-    base: nn.Module,
-    x: Tensor,
+def add_bypasses(
+    result: Tensor,
+    inputs: Sequence[Tensor],
     placements: Sequence[Placement],
     deltas: Sequence[Tensor],
     kernels: Kernels,
-    *args,
-    **kwargs,
+    frozen: Sequence[Tensor] = (),
 ) -> Tensor:
-    """`base(x, *args, **kwargs) + Σ (P ⊙ Θ) x`, one sparse product per adapter."""
-    result = base(x, *args, **kwargs)
-    frozen = [t for t in (getattr(base, "weight", None), getattr(base, "bias", None)) if isinstance(t, Tensor)]
-    functions = torch.is_grad_enabled() and not any(map(transformed, (x, *frozen, *deltas)))
-    for p, delta in zip(placements, deltas, strict=True):
+    """`result + Σ (P ⊙ Θ) x`, one sparse product per adapter on its input `x` (`frozen`: the base layer's tensors;
+    under a `torch.func` transform following any of them, plain torch operations)."""
+    functions = torch.is_grad_enabled() and not any(map(transformed, (*inputs, *frozen, *deltas)))
+    for x, p, delta in zip(inputs, placements, deltas, strict=True):
         if functions:
             kept, (kept_placement,) = input_for_backward(x, [p]) if delta.requires_grad else (None, [p])
             bypass = SparseBypass.apply(x, kept, kept_placement, p, result.shape[-1], kernels, delta)
@@ -211,3 +223,9 @@ def bypassed(
             bypass = kernels.bypass_forward(_flatten(x), p.cols, p.rows, delta, result.shape[-1])
         result = result + bypass.view(result.shape).to(result.dtype)
     return result
+
+
+def placement_of(layer, adapter_name: str) -> Placement:
+    """Where an adapter's deltas sit in `layer`, read from its index buffers (the layers' plain `placements`)."""
+    rows = layer.neuroada_rows[adapter_name] if adapter_name in layer.neuroada_rows else None
+    return Placement(layer.neuroada_indices[adapter_name], rows).prepared()

@@ -1,16 +1,21 @@
 """NeuroAda layers: a frozen linear layer plus k trainable deltas per neuron, `y = base(x) + (P ⊙ Θ) x`.
 
-The layers hold the adapters' state (deltas and index buffers), add and remove adapters, and merge and unmerge them
-exactly; how the output and gradients are computed is forward.py's.
+`NeuroAdaLayer` holds each adapter's state (deltas and index buffers) and selects inputs; `Linear` writes out its
+forward, merge and unmerge. The bypass's products are forward.py's. A layer calls a few components at named points
+(`NeuroAdaLayer.COMPONENTS`): the plain ones here, and a layer may be
+given others (faster products, a cache, checks), as LoRA's layer calls its variants.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from accelerate.hooks import AlignDevicesHook
 from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
@@ -20,11 +25,7 @@ from torch import nn
 from . import forward
 from .config import DTYPES, NeuroAdaConfig
 from .forward import Placement, placed_entries, write_placed_
-from .guards import GuardedLayer
-from .merged_copy import MergedCopyForward
-from .mixed_batch import MixedBatchLinear
-from .quantized_merge import Offloaded, QuantizedMerge
-from .selection import INDEX_DTYPE, layer_generator, select_inputs, select_neurons
+from .selection import layer_generator, select_inputs, select_neurons
 
 # Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
 _TEST_INIT_STD = 0.05
@@ -32,10 +33,15 @@ LOAD_WEIGHTS_HINT = (
     "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
     "offloading (or load it quantized, or on the CPU), add the adapter, and then offload the PeftModel (accelerate)."
 )
+FULL_PRECISION_HINT = (
+    "To get a merged model in full precision, load the base model in float32/bfloat16 and call "
+    "`PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()`."
+)
 
 
 class QuantizedWeight:
-    """A quantized base layer's weight as selection reads it: dequantized by peft's backend (`get_base_weight`)."""
+    """A quantized base layer seen as its dequantized (d_out, d_in) float32 weight, through peft's backend
+    (`get_base_weight`); `replace` quantizes a merged weight again (`set_base_weight`), `snapshot` puts it back."""
 
     dtype = torch.float32
 
@@ -44,6 +50,17 @@ class QuantizedWeight:
         self.base = layer.get_base_layer()
         self.shape, self.device = torch.Size((layer.out_features, layer.in_features)), self.base.weight.device
         self._whole: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, layer: NeuroAdaLayer) -> QuantizedWeight | None:
+        """The view of `layer`'s base (None for a float weight, or torchao without its config)."""
+        try:
+            backend = resolve_quantization_backend(
+                layer.get_base_layer(), get_apply_tensor_subclass=layer.get_apply_tensor_subclass
+            )
+        except ValueError:
+            return None
+        return None if backend is None else cls(layer, backend)
 
     def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
         return self.dense()[index]
@@ -54,6 +71,30 @@ class QuantizedWeight:
             self.stored_dtype, self._whole = weight.dtype, weight.float().reshape(self.shape)
         return self._whole
 
+    def merge_refusal(self) -> str | None:
+        """Why a merged weight cannot be quantized again (None: it can)."""
+        if getattr(getattr(self.base.weight, "quant_state", None), "packing_format_for_cpu", False):
+            return "bitsandbytes packed this 4-bit weight for CPU inference, a layout it reads back only approximately"
+        return None if self.backend.supports_merge else f"peft cannot requantize {self.kind} weights"
+
+    def replace(self, weight: torch.Tensor) -> None:
+        self.layer.set_base_weight(weight.to(self.stored_dtype))
+
+    def snapshot(self) -> Callable[[], None]:
+        """What puts the quantized weight (and its quantization state) back as it is now."""
+        layer, base, weight = self.layer, self.base, self.base.weight
+        state = {name: copy.copy(vars(base)[name]) for name in ("state", "quant_state") if name in vars(base)}
+        weight_state = dict(vars(weight))  # peft's requantizing marks the replaced weight unquantized
+
+        def restore() -> None:
+            layer.base_layer = base  # (a backend may have replaced the module, as HQQ's does)
+            vars(weight).update(weight_state)
+            base.weight = weight
+            for name, value in state.items():
+                setattr(base, name, value)
+
+        return restore
+
 
 class NeuroAdaLayer(BaseTunerLayer):
     """Adapter state of one layer, per adapter name: `neuroada_delta` (n, k) trainable values at input columns
@@ -61,9 +102,15 @@ class NeuroAdaLayer(BaseTunerLayer):
     `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
-    other_param_names = ("neuroada_indices", "neuroada_rows", "init_weights", "delta_dtype")
-    # The forward's products, functions of tensors (`forward.Kernels`); a layer may be given faster ones.
-    kernels = forward.Kernels()
+    other_param_names = ("neuroada_indices", "neuroada_rows", "neuroada_dropout", "init_weights", "delta_dtype")
+    # The components, each replaceable per layer (a keyword of the constructor, or an attribute):
+    kernels = forward.Kernels()  # the bypass's products
+    placements: Callable[[NeuroAdaLayer, str], Placement] = staticmethod(forward.placement_of)  # where deltas sit
+    merged_forward: Callable[..., torch.Tensor] | None = None  # another way to compute base(x) + Σ bypass
+    quantized_view: Callable[[NeuroAdaLayer], Any] = QuantizedWeight.of  # a quantized base's dequantized view
+    merge_check: Callable[[NeuroAdaLayer, list[str]], None] | None = None  # refuses a merge before anything changes
+    mixed_batch_names: Callable[[NeuroAdaLayer], list[str] | None] | None = None  # rows' adapters, if not passed
+    COMPONENTS = ("kernels", "placements", "merged_forward", "quantized_view", "merge_check", "mixed_batch_names")
 
     def __init__(self, base_layer: nn.Module, fan_in_fan_out: bool = False, **kwargs: Any) -> None:
         self.base_layer = base_layer
@@ -71,16 +118,16 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.neuroada_delta = nn.ParameterDict({})
         self.neuroada_indices = BufferDict({}, persistent=True)
         self.neuroada_rows = BufferDict({}, persistent=True)
+        self.neuroada_dropout = nn.ModuleDict({})
         self.init_weights: dict[str, bool] = {}
         self.delta_dtype: dict[str, torch.dtype] = {}  # per adapter whose config fixes the deltas' dtype
-        # Per merged adapter, what unmerge writes back: the entries it overwrote.
+        # Per merged adapter, what unmerge writes back: the entries it overwrote, or (quantized) the replaced weight.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
+        self._quantized_originals: dict[str, Callable[[], None]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
-        # peft's backend for a quantized base (None: a float weight, or torchao without its config: `quantized` asks)
-        try:
-            self.quantization_backend = self._resolved_backend()
-        except ValueError:
-            self.quantization_backend = None
+        for name in self.COMPONENTS:
+            if kwargs.get(name) is not None:
+                setattr(self, name, kwargs[name])
         self._disable_adapters = False
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
@@ -95,8 +142,17 @@ class NeuroAdaLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         return weight.T if self.fan_in_fan_out else weight
 
+    def quantized(self) -> Any:
+        """The base layer seen as its dequantized weight (None for a plain float weight)."""
+        return self.quantized_view(self)
+
     def unreadable(self) -> str | None:
         """Why the frozen weight's values cannot be read to select inputs (None: they can)."""
+        hook = getattr(self.get_base_layer(), "_hf_hook", None)
+        if isinstance(hook, AlignDevicesHook) and hook.offload:
+            return "it is offloaded by accelerate"
+        if self._quantized_originals:
+            return "adapters are merged into it"
         return "it is on the meta device (offloaded or not loaded)" if self.weight_out_in().is_meta else None
 
     def base_weight(self) -> torch.Tensor:
@@ -113,16 +169,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         """Where a merged adapter sits and what it overwrote, as `weight` is now (it may have been cast or moved)."""
         placement, originals = self._merge_originals[name]
         return placement.copy(weight.device), originals.to(device=weight.device, dtype=weight.dtype)
-
-    def _resolved_backend(self) -> Any:
-        return resolve_quantization_backend(
-            self.get_base_layer(), get_apply_tensor_subclass=self.get_apply_tensor_subclass
-        )
-
-    def quantized(self) -> QuantizedWeight | None:
-        """The base layer seen as its dequantized weight (None for a plain float weight)."""
-        backend = self.quantization_backend or self._resolved_backend()
-        return None if backend is None else QuantizedWeight(self, backend)
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
         """Add an adapter: select each neuron's inputs on the frozen weight and create its deltas. `layer_name` (the
@@ -144,14 +190,15 @@ class NeuroAdaLayer(BaseTunerLayer):
         elif not dtype.is_floating_point:
             dtype = torch.float32
         self.init_weights[adapter_name] = config.init_weights
+        dropout = getattr(config, "neuroada_dropout", 0.0)
+        self.neuroada_dropout[adapter_name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.neuroada_delta[adapter_name] = nn.Parameter(self._initial_delta(adapter_name, neurons, k, dtype))
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
         """peft's, which also casts float adapter tensors to the base layer's dtype; deltas whose dtype the config
-        fixes (`delta_dtype`) keep it, wherever peft moves them (creation, and `low_cpu_mem_usage` loads, which assign
-        the saved tensors and then move them)."""
+        fixes (`delta_dtype`) keep it, wherever peft moves them (creation, and `low_cpu_mem_usage` loads)."""
         dtype = self.delta_dtype.get(adapter_name)
         delta = self.neuroada_delta.get(adapter_name) if dtype is not None else None
         super()._move_adapter_to_device_of_base_layer(adapter_name, device)
@@ -160,15 +207,16 @@ class NeuroAdaLayer(BaseTunerLayer):
             self.neuroada_delta[adapter_name] = nn.Parameter(moved, requires_grad=delta.requires_grad)
 
     def _select(self, adapter_name: str, config: NeuroAdaConfig, k: int) -> tuple[int, torch.dtype]:
-        """Choose the neurons and k inputs each; returns how many neurons, and the dtype the weight was read in."""
+        """Choose the neurons and k inputs each (`STRATEGIES[config.selection]`); returns how many neurons, and the
+        dtype the weight was read in."""
         generator = layer_generator(config.selection_seed, self.layer_name)
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
         quantized = self.quantized()
         # ZeRO-3 partitions weights; selection needs each neuron's whole row, so gather it for the duration.
         with gather_params_ctx(self.weight_out_in(), modifier_rank=None):
             weight = self.base_weight().reshape(-1, self.in_features) if quantized is None else quantized
-            cols = select_inputs(weight if rows is None else weight[rows.long()], k, config.selection, generator)
-            self.neuroada_indices[adapter_name] = cols.to(INDEX_DTYPE)
+            tuned = weight if rows is None else weight[rows.long()]
+            self.neuroada_indices[adapter_name] = select_inputs(tuned, k, config.selection, generator)
         if rows is not None:
             self.neuroada_rows[adapter_name] = rows
         return (self.out_features if rows is None else rows.numel()), weight.dtype
@@ -178,83 +226,75 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
-        """Where the adapter's deltas sit: its (n, k) columns and its rows."""
-        buffer = self.neuroada_indices[adapter_name]
-        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        return Placement(buffer, rows).prepared()
-
-    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
-        delta = self.neuroada_delta[adapter_name].detach()
-        dense = torch.zeros(self.out_features, self.in_features, dtype=delta.dtype, device=delta.device)
-        write_placed_(dense, self.placement(adapter_name), delta)
-        return dense.T if self.fan_in_fan_out else dense
+        """Where the adapter's deltas sit: its (n, k) columns and its rows (the `placements` component's answer)."""
+        return self.placements(self, adapter_name)
 
     def _weight_writes(self, weight: torch.Tensor) -> AbstractContextManager:
         """Inference tensors accept writes only in inference mode."""
         return torch.inference_mode() if weight.is_inference() else torch.no_grad()
 
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Add the deltas into the base weight, keeping what they overwrite for an exact unmerge; all or nothing."""
-        names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]
-        if not names:
-            return
-        self.check_mergeable()
-        weight = self.weight_out_in()
-        if self.quantized() is None and weight.is_meta:
+    def check_mergeable(self, adapter_names: list[str] | None = None) -> None:
+        """Refuse a merge before anything changes: a weight not in memory, a quantized one peft cannot quantize again,
+        and whatever the `merge_check` component refuses."""
+        quantized = self.quantized()
+        if quantized is None and self.weight_out_in().is_meta:
             raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
-        merged_before = len(self.merged_adapters)
-        try:
-            with self._weight_writes(weight):
-                for name in names:
-                    self._merge_one(name, safe_merge)
-        except BaseException:
-            self.unmerge_to(merged_before)
-            raise
+        if quantized is not None and (reason := quantized.merge_refusal()):
+            name = self.layer_name or "this layer"
+            raise ValueError(f"Cannot merge NeuroAda deltas into '{name}': {reason}. {FULL_PRECISION_HINT}")
+        if self.merge_check is not None:
+            self.merge_check(self, check_adapters_to_merge(self, adapter_names))
 
-    def _merge_one(self, name: str, safe_merge: bool) -> None:
-        """Add one adapter's deltas, keeping the entries they overwrite."""
+    def _merge_entries(self, name: str, safe_merge: bool) -> None:
+        """Add one adapter's deltas into a float weight, keeping the entries they overwrite."""
         weight, placement = self.weight_out_in(), self.placement(name)
         originals = placed_entries(weight, placement)
         merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
-        self.check_finite(name, merged, safe_merge)
+        self._check_finite(name, merged, safe_merge)
         self._merge_originals[name] = (placement.copy(), originals)
         self.merged_adapters.append(name)
         write_placed_(weight, placement, merged)
 
-    def check_finite(self, name: str, merged: torch.Tensor, safe_merge: bool) -> None:
+    def _merge_requantized(self, name: str, safe_merge: bool) -> None:
+        """Add one adapter's deltas into a quantized weight: dequantized, added to and quantized again through
+        peft's backend (rounded to its grid, as LoRA's merge); the replaced weight is kept for unmerge."""
+        quantized, placement = self.quantized(), self.placement(name)
+        weight = quantized.dense()
+        merged = placed_entries(weight, placement) + self.neuroada_delta[name].detach().to(weight.dtype)
+        self._check_finite(name, merged, safe_merge)
+        warnings.warn(
+            f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to rounding "
+            f"errors: the merged weight is quantized again (unmerge restores the original exactly). "
+            f"{FULL_PRECISION_HINT}",
+            stacklevel=3,
+        )
+        self._quantized_originals[name] = quantized.snapshot()
+        self.merged_adapters.append(name)
+        write_placed_(weight, placement, merged)
+        quantized.replace(weight)
+
+    def _check_finite(self, name: str, merged: torch.Tensor, safe_merge: bool) -> None:
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(
                 f"NaNs detected in the merged weights. The adapter {name} seems to be broken: merging it would put "
                 "NaN/inf values into the base weight (check the training loss and learning rate)."
             )
 
-    def check_mergeable(self) -> None:
-        """Refuse a quantized weight before anything changes (a merge would have to quantize it again)."""
-        if (quantized := self.quantized()) is not None:
-            raise ValueError(
-                f"Cannot merge NeuroAda deltas into '{self.layer_name or 'this layer'}': its weight is quantized "
-                f"({quantized.kind}). To merge, load the base model in float32/bfloat16 and merge there."
-            )
-
-    def unmerge(self) -> None:
-        """Restore the exact original weight entries, most recently merged adapter first."""
-        if not self.merged:
-            return warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
-        self.unmerge_to(0)
-
     def unmerge_to(self, count: int) -> None:
-        """Unmerge the latest merged adapters until `count` remain, all or nothing."""
-        weight = self.weight_out_in()
-        undone = []
+        """Unmerge the latest merged adapters until `count` remain, all or nothing: each writes back exactly what its
+        merge replaced."""
+        weight, undone = self.weight_out_in(), []
         try:
             with self._weight_writes(weight):
                 while len(self.merged_adapters) > count:
                     name = self.merged_adapters[-1]
-                    placement, originals = self._merged_entries(name, weight)
-                    undone.append((name, placement, originals, placed_entries(weight, placement)))
-                    write_placed_(weight, placement, originals)
-                    del self._merge_originals[name]
+                    if name in self._quantized_originals:
+                        self._quantized_originals.pop(name)()
+                    else:
+                        placement, originals = self._merged_entries(name, weight)
+                        undone.append((name, placement, originals, placed_entries(weight, placement)))
+                        write_placed_(weight, placement, originals)
+                        del self._merge_originals[name]
                     self.merged_adapters.pop()
         except BaseException:
             with self._weight_writes(weight):
@@ -265,38 +305,26 @@ class NeuroAdaLayer(BaseTunerLayer):
                         self.merged_adapters.append(name)
             raise
 
-
-class LinearForward:
-    """How a NeuroAda layer runs its active adapters: `forward` chooses between the base layer and `_adapted`, which
-    for a linear layer is `forward.bypassed` (a parameter wrapper has its own); extensions mixed in before it add to
-    it."""
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        active = [name for name in self.active_adapters if name in self.neuroada_delta]
-        if self.merged or not active:
-            return self.base_layer(x, *args, **kwargs)
-        return self._adapted(x, active, *args, **kwargs)
-
-    def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
-        placements = [self.placement(name) for name in adapters]
-        deltas = [self.neuroada_delta[name] for name in adapters]
-        return forward.bypassed(self.get_base_layer(), x, placements, deltas, self.kernels, *args, **kwargs)
+    def offloaded_containers(self) -> list[nn.Module]:
+        """The adapter's containers accelerate hooked (offloading the PeftModel after the adapter was added)."""
+        containers = [self.neuroada_delta, self.neuroada_indices, self.neuroada_rows]
+        return [container for container in containers if "_hf_hook" in vars(container)]
 
 
-class Linear(
-    MixedBatchLinear,
-    GuardedLayer,
-    QuantizedMerge,
-    Offloaded,
-    MergedCopyForward,
-    LinearForward,
-    nn.Module,
-    NeuroAdaLayer,
-):
+@contextmanager
+def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
+    """accelerate's hooks of `containers` run around the block as around a call. Not peft's `onload_layer`, which
+    also onloads the base layer and writes a disk-offloaded one back: right for a merge, a needless write per call."""
+    for container in containers:
+        container._hf_hook.pre_forward(container)
+    try:
+        yield
+    finally:
+        for container in containers:
+            container._hf_hook.post_forward(container, None)
+
+
+class Linear(nn.Module, NeuroAdaLayer):
     """NeuroAda around `nn.Linear` (weight d_out x d_in), transformers' `Conv1D` (weight d_in x d_out), or a quantized
     linear layer peft has a quantization backend for."""
 
@@ -314,6 +342,99 @@ class Linear(
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name=layer_name)
 
+    def forward(self, x: torch.Tensor, *args: Any, adapter_names: list[str] | None = None, **kwargs: Any):
+        if adapter_names is None and self.mixed_batch_names is not None:
+            adapter_names = self.mixed_batch_names(self)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        active = [name for name in self.active_adapters if name in self.neuroada_delta]
+        if self.merged or not active:
+            return self.base_layer(x, *args, **kwargs)
+        return self._with_adapters(x, active, *args, **kwargs)
+
+    def _with_adapters(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`base(x) + Σ (P ⊙ Θ) dropout(x)` over `adapters` (or the `merged_forward` component's equal, where no
+        dropout acts)."""
+        offloaded = self.offloaded_containers()
+        with onloaded(offloaded) if offloaded else nullcontext():
+            placements = [self.placement(name) for name in adapters]
+            deltas = [self.neuroada_delta[name] for name in adapters]
+            dropouts = [self.neuroada_dropout[name] for name in adapters]
+            if self.merged_forward is not None and not any(_drops(dropout) for dropout in dropouts):
+                return self.merged_forward(self, x, placements, deltas, *args, **kwargs)
+            result = self.base_layer(x, *args, **kwargs)
+            inputs = [dropout(x) for dropout in dropouts]
+            return forward.add_bypasses(result, inputs, placements, deltas, self.kernels, self._frozen())
+
+    def _frozen(self) -> list[torch.Tensor]:
+        """The base layer's frozen tensors (whether a `torch.func` transform follows them decides the path)."""
+        base = self.get_base_layer()
+        return [t for t in (getattr(base, "weight", None), getattr(base, "bias", None)) if isinstance(t, torch.Tensor)]
+
+    def _mixed_batch_forward(self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any):
+        """Each row through its own adapter (`"__base__"` or an adapter this layer lacks: the base layer alone)."""
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                "Length of `adapter_names` should be the same as the number of inputs, but got "
+                f"{len(adapter_names)} and {len(x)} respectively."
+            )
+        if self.merged:
+            raise ValueError(
+                "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+            )
+        if not adapter_names:  # no rows: the base layer's empty output, shaped and typed as LoRA's
+            return self.base_layer(x, *args, **kwargs)
+        rows_of: dict[str, list[int]] = {}
+        for row, name in enumerate(adapter_names):
+            rows_of.setdefault(name, []).append(row)
+        result = None
+        for name, rows in rows_of.items():
+            index = torch.tensor(rows, device=x.device)
+            sub_batch = x.index_select(0, index)
+            if name in self.neuroada_delta:
+                out = self._with_adapters(sub_batch, [name], *args, **kwargs)
+            else:
+                out = self.base_layer(sub_batch, *args, **kwargs)
+            if result is None:
+                result = out.new_empty((len(x), *out.shape[1:]))
+            result.index_copy_(0, index, out.to(result.dtype))
+        return result
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Add the deltas into the base weight, keeping what they overwrite for an exact unmerge; all or nothing."""
+        names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]
+        if not names:
+            return
+        self.check_mergeable(names)
+        merged_before = len(self.merged_adapters)
+        try:
+            with self._weight_writes(self.weight_out_in()):
+                for name in names:
+                    if self.quantized() is None:
+                        self._merge_entries(name, safe_merge)
+                    else:
+                        self._merge_requantized(name, safe_merge)
+        except BaseException:
+            self.unmerge_to(merged_before)
+            raise
+
+    def unmerge(self) -> None:
+        """Restore the exact original weight entries, most recently merged adapter first."""
+        if not self.merged:
+            return warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
+        self.unmerge_to(0)
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The adapter as a dense weight-shaped tensor (for inspection and tests; training never builds it)."""
+        delta = self.neuroada_delta[adapter_name].detach()
+        dense = torch.zeros(self.out_features, self.in_features, dtype=delta.dtype, device=delta.device)
+        write_placed_(dense, self.placement(adapter_name), delta)
+        return dense.T if self.fan_in_fan_out else dense
+
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
         """NeuroAda is additive, so `peft.tuners.lora.convert_to_lora` approximates it by the delta's SVD (the sparse
         delta's rank is not small: a converted adapter keeps only part of it)."""
@@ -327,3 +448,8 @@ class Linear(
 
     def __repr__(self) -> str:
         return "neuroada." + super().__repr__()
+
+
+def _drops(dropout: nn.Module) -> bool:
+    """Whether `dropout` changes its input now (a dropout module in training)."""
+    return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0

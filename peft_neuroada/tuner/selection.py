@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -12,13 +13,28 @@ _MAX_BLOCK_ELEMENTS = 1 << 24
 # How a layer keeps its selected columns, one (n, k) tensor per adapter, saved as held (as Super-Tuning keeps its
 # indices): a dtype every collective backend (gloo, NCCL) broadcasts, as DDP syncs buffers (int16 is not).
 INDEX_DTYPE = torch.int32
-# Per strategy: the score whose k largest entries per row are selected.
-_SCORES: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
-    "magnitude": lambda block, generator: block.abs(),
-    "reverse": lambda block, generator: block.abs().neg_(),
-    "random": lambda block, generator: torch.rand(block.shape, generator=generator).to(block.device),
+
+
+class Strategy(NamedTuple):
+    """A value of `NeuroAdaConfig.selection`. `score`: the score whose k largest entries per row are selected when
+    the adapter is made. `then`: what must follow before training, for a strategy whose final inputs are chosen
+    later (None: the inputs are final, a function of the weights and the seed, so a saved adapter's columns can be
+    checked against the base it loads on)."""
+
+    score: Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+    then: str | None = None
+
+
+def _magnitude(block: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return block.abs()
+
+
+# The strategies by name: the config, the layers and the model all read this table (add a row to add one).
+STRATEGIES: dict[str, Strategy] = {
+    "magnitude": Strategy(_magnitude),  # the paper's
+    "reverse": Strategy(lambda block, generator: block.abs().neg_()),  # the smallest |w| (an ablation)
+    "random": Strategy(lambda block, generator: torch.rand(block.shape, generator=generator).to(block.device)),
 }
-STRATEGIES = tuple(_SCORES)
 
 
 def rows_per_block(d_in: int) -> int:
@@ -46,7 +62,7 @@ def select_inputs(
 ) -> torch.Tensor:
     """Per row of `weight` (d_out, d_in), the `k` selected columns, sorted ascending (another score, such as summed
     gradients, goes in as `weight`); a quantized layer comes as its dequantized view, read in float32 blocks."""
-    score_of = _SCORES[strategy]
+    score_of = STRATEGIES[strategy].score
     if hasattr(weight, "full_tensor"):  # a DTensor, sharded (e.g. tensor parallel): select on the gathered rows
         weight = weight.full_tensor()
     generator = generator if generator is not None else torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 """Guards on the tensors that enter a layer from outside (peft's adapter loading, any `load_state_dict`, a merge of
 indices written since, a cast of the buffers) and on merges into a weight other modules hold: deltas that land on other
 entries than they were trained on would change the model without a word, and a merge would write other neurons' (or
-modules') weights. Each check runs before anything of its input is loaded or written. `GuardedLayer` and `GuardedModel`
-add them to the tuner's layers and model.
+modules') weights. Each check runs before anything of its input is loaded or written. The plugin's layers and model
+call them as components and hooks.
 
 Adapters saved before 2026-12-05 hold int16 columns packed in pairs into a flat int32 tensor (the first column of a
 pair in the low half); `saved_columns` reads them, and (n, k) columns of any integer dtype, on any host.
@@ -11,16 +11,13 @@ pair in the low half); `saved_columns` reads them, and (n, k) columns of any int
 from __future__ import annotations
 
 import itertools
-import warnings
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from .forward import Placement, entry_index, placed_entries
-from .selection import INDEX_DTYPE as BUFFER_DTYPE
-from .selection import STRATEGIES
+from .tuner.forward import Placement, entry_index, placed_entries
+from .tuner.selection import INDEX_DTYPE as BUFFER_DTYPE
 
 # What an adapter saves per layer (state-dict keys `{layer}.{attribute}.{adapter}`): its deltas and index buffers.
 INDEX_TENSORS = ("neuroada_indices", "neuroada_rows")
@@ -252,116 +249,36 @@ def mark_shared_weights(model: nn.Module, layer_cls: type) -> None:
             module.weight_shared_with = tuple(sorted({name for name, holder in held if holder is not base}))
 
 
-class GuardedLayer:
-    """A NeuroAda layer's guards (mixed in before it): indices checked as any `load_state_dict` brings them and
-    before a merge writes at them, buffers that were cast refused, and no merge into a weight other modules hold."""
-
-    # Other modules holding this layer's base weight (kept up to date by GuardedModel): never written in place.
-    weight_shared_with: tuple[str, ...] = ()
-    # Whether the state dict being loaded changes what a merged adapter's unmerge writes back (check_layer_state).
-    merged_state_changed = False
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(check_layer_state)  # indices loaded into this layer alone
-        self.register_load_state_dict_post_hook(merged_state_loaded)
-
-    def placement(self, adapter_name: str) -> Placement:
-        """The tuner's, refusing index buffers that were cast (e.g. by `model.type(...)`): they may no longer hold
-        the exact columns, and this costs nothing to see."""
-        buffer = self.neuroada_indices[adapter_name]
-        rows = self.neuroada_rows[adapter_name] if adapter_name in self.neuroada_rows else None
-        if buffer.dtype != BUFFER_DTYPE or (rows is not None and rows.dtype != BUFFER_DTYPE):
+def check_merge(layer, names: list[str]) -> None:
+    """A layer's `merge_check` component: refuse, before anything is written, indices written since they were loaded
+    (a merge would write other entries), and a weight other modules hold (a merge would change them too)."""
+    for name in [name for name in names if name in layer.neuroada_delta]:
+        rows = layer.neuroada_rows[name] if name in layer.neuroada_rows else None
+        shape = layer.neuroada_delta[name].shape
+        if problem := placement_problem(layer, shape, layer.neuroada_indices[name], rows):
             raise ValueError(
-                f"NeuroAda adapter '{adapter_name}' cannot run at layer '{self.layer_name}': its index buffers were "
-                f"converted (to {buffer.dtype}), e.g. by `model.type(...)`, and may read as other columns. Nothing "
-                "was computed: load the adapter again from its saved files (PeftModel.from_pretrained / load_adapter)."
+                f"Cannot merge NeuroAda adapter '{name}' into '{layer.layer_name}': {problem}, so it would write "
+                "other weight entries. Nothing was written: load the adapter again from its saved files."
             )
-        return super().placement(adapter_name)
-
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """The tuner's, after checking the indices of every adapter it merges (written since they were loaded?)."""
-        for name in [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]:
-            rows = self.neuroada_rows[name] if name in self.neuroada_rows else None
-            shape = self.neuroada_delta[name].shape
-            if problem := placement_problem(self, shape, self.neuroada_indices[name], rows):
-                raise ValueError(
-                    f"Cannot merge NeuroAda adapter '{name}' into '{self.layer_name}': {problem}, so it would write "
-                    "other weight entries. Nothing was written: load the adapter again from its saved files."
-                )
-        super().merge(safe_merge, adapter_names)
-
-    def check_mergeable(self) -> None:
-        """The tuner's, then refuse a weight other modules hold (a merge would change them too)."""
-        super().check_mergeable()
-        if self.weight_shared_with:
-            raise ValueError(
-                f"Cannot merge NeuroAda deltas into the weight of '{self.layer_name or 'this layer'}': it is shared "
-                f"with {', '.join(self.weight_shared_with)}, and merging would change those modules too. Give the "
-                "layer its own copy of the weight first, e.g. "
-                "`layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach().clone(), "
-                "requires_grad=False)` (a frozen copy), or keep the adapter unmerged."
-            )
+    if shared := getattr(layer, "weight_shared_with", ()):
+        raise ValueError(
+            f"Cannot merge NeuroAda deltas into the weight of '{layer.layer_name or 'this layer'}': it is shared "
+            f"with {', '.join(shared)}, and merging would change those modules too. Give the layer its own copy of "
+            "the weight first, e.g. `layer.base_layer.weight = torch.nn.Parameter(layer.base_layer.weight.detach()"
+            ".clone(), requires_grad=False)` (a frozen copy), or keep the adapter unmerged."
+        )
 
 
-class GuardedModel:
-    """A NeuroAda model's guards (mixed in before it): saved indices checked and converted as peft loads them, every
-    layer's checked before any loads in a `load_state_dict` (resumes), cast buffers refused before a save, and which
-    weights are shared known at injection and before a merge."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_load_state_dict_pre_hook(_check_before_load)
-
-    @classmethod
-    def _remap_adapter_state_dict_for_load(
-        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """peft's, with saved indices checked and turned into the layers' buffers; warns if chosen on another base."""
-        remapped = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
-        elsewhere = [
-            name
-            for name, module in model.named_modules()
-            if isinstance(module, cls.tuner_layer_cls) and adapter_name in module.neuroada_indices
-            if check_saved_tensors(module, name, adapter_name, remapped)
-        ]
-        if elsewhere and config.selection in STRATEGIES:  # (columns re-selected by gradient are the user's choice)
-            more = f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else ""
-            warnings.warn(
-                f"NeuroAda adapter '{adapter_name}' was selected on another base model: at {', '.join(elsewhere[:3])}"
-                f"{more}, most saved input columns are not among those this base's weights select. It loads and runs "
-                "as saved, but was trained on other weights: load it on the base model it was trained on.",
-                stacklevel=2,
-            )
-        return remapped
-
-    @classmethod
-    def _get_adapter_state_dict(
-        cls, model: nn.Module, config: Any, adapter_name: str, state_dict: dict, unwanted_adapter_names: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """peft's, refused before anything is written where index buffers were cast: they would load nowhere."""
-        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        for key, tensor in selected.items():
-            if any(f".{name}" in key for name in INDEX_TENSORS) and tensor.dtype != BUFFER_DTYPE:
-                raise ValueError(
-                    f"Refusing to save NeuroAda adapter '{adapter_name}': {key} is a {tensor.dtype} tensor, where "
-                    f"{BUFFER_DTYPE} indices belong (converted, e.g. by `model.type(...)`), and would load as other "
-                    "columns. Nothing was written: load the adapter again from its saved files."
-                )
-        return selected
-
-    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too."""
-        super().inject_adapter(model, adapter_name, *args, **kwargs)
-        mark_shared_weights(model, self.tuner_layer_cls)
-
-    def _check_merge_allowed(self) -> None:
-        """peft's, then which weights are shared now (a merge into one would change its other holders)."""
-        super()._check_merge_allowed()
-        mark_shared_weights(self.model, self.tuner_layer_cls)
+def guard_loads(layer: nn.Module) -> None:
+    """Check the indices any `load_state_dict` brings into `layer`, and keep a merged model's loaded state
+    unmergeable (`check_layer_state`, `merged_state_loaded`)."""
+    layer.merged_state_changed = False
+    layer.register_load_state_dict_pre_hook(check_layer_state)
+    layer.register_load_state_dict_post_hook(merged_state_loaded)
 
 
-def _check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+def check_before_load(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+    """A NeuroAda model's load pre-hook: every layer's tensors checked before any loads (resumes)."""
     for name, layer in model.named_modules():
         if isinstance(layer, model.tuner_layer_cls):
             check_layer_state(layer, state_dict, f"{prefix}{name}.")

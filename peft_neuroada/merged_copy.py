@@ -3,34 +3,33 @@ one matmul on it (`MergedCopyLinear`), with the deltas rounded into the weight's
 round them, made again in backward: the input gradient is the frozen layer's own matmul, the deltas' gradient the dense
 weight gradient sampled at their positions. It is there for speed where a batch of tokens trains: one dense matmul
 instead of the base layer's plus the sparse products. Where the copy cannot stand in, the bypass adds the deltas as
-the copy would round them (`rounded_deltas`), so both paths compute the same. `MergedCopyForward` (mixed in before
-`LinearForward`) takes it.
+the copy would round them (`rounded_deltas`), so both paths compute the same. `merged_forward` is the
+layers' component that takes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.module as module_hooks
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .forward import (
+from .tuner.forward import (
     Kernels,
     Placement,
     _flatten,
     _needs_grad,
-    bypassed,
+    add_bypasses,
     cast,
     entry_index,
     input_for_backward,
+    merged_copy,
     transformed,
 )
 
-# Why the merged copy cannot stand in for a call: (base, weight, x) -> reason or None (`copy_refusal`'s).
-CopyRefusal = Callable[[nn.Module, torch.Tensor, torch.Tensor], str | None]
 # Without gradients, calls of at most this many tokens take the bypass (decoding: one token per sequence and step).
 BYPASS_MAX_TOKENS = 32
 FEW_TOKENS = "few tokens without gradients: the bypass costs less than a copy of the weight"
@@ -57,10 +56,24 @@ def copy_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str 
     return _weight_problem(base, weight) or _call_refusal(base, weight, x)
 
 
+def _global_hooks() -> bool:
+    """Whether hooks registered for every module would see the base layer's call (no public API tells)."""
+    return any(
+        (
+            module_hooks._global_forward_hooks,
+            module_hooks._global_forward_pre_hooks,
+            module_hooks._global_backward_hooks,
+            module_hooks._global_backward_pre_hooks,
+        )
+    )
+
+
 def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str | None:
     """Why the copy cannot stand in for this call of a base layer that computes with `weight` (None: it can)."""
     if base._forward_hooks or base._forward_pre_hooks or base._backward_hooks or base._backward_pre_hooks:
         return "the base layer has hooks"
+    if _global_hooks():
+        return "global module hooks would see the base layer's call"
     if "forward" in vars(base):
         return "the base layer's forward is wrapped (accelerate's hooks wrap it so)"
     device = weight.device.type
@@ -69,20 +82,6 @@ def _call_refusal(base: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> str
     if not torch.is_grad_enabled() and x.numel() <= BYPASS_MAX_TOKENS * x.shape[-1]:
         return FEW_TOKENS
     return None
-
-
-def merged_copy(weight: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A new tensor `W + Σ P ⊙ Θ` in the weight's dtype and strides (overlapping adapters add up, one after another).
-    Each adapter's entries are read, added to and written back: no accumulating write, which CUDA sorts for and the
-    CPU runs on one thread (an adapter names each entry once, so the values are the same bits)."""
-    copy = weight.clone()
-    for placement, delta in zip(placements, deltas, strict=True):
-        index, values = entry_index(copy, placement), cast(delta, copy.dtype)
-        if transformed(delta) or transformed(copy):  # vmap may batch the delta, not the copy
-            copy = copy.index_put(index, copy[index] + values)
-        else:
-            copy.index_put_(index, copy[index] + values)
-    return copy
 
 
 class MergedCopyLinear(torch.autograd.Function):
@@ -168,19 +167,16 @@ def copied_linear(
     return F.linear(x, merged_copy(weight, placements, deltas), base.bias)
 
 
-class MergedCopyForward:
-    """A NeuroAda linear layer taking the merged copy where it can stand in (mixed in before `LinearForward`)."""
-
-    # Why the copy cannot stand in for a call (`copy_refusal`, or one that refuses more).
-    copy_refusal = staticmethod(copy_refusal)
-
-    def _adapted(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
-        placements = [self.placement(name) for name in adapters]
-        deltas = [self.neuroada_delta[name] for name in adapters]
-        base, weight = self.get_base_layer(), self.weight_out_in()
-        refusal = "extra arguments for the base layer" if args or kwargs else self.copy_refusal(base, weight, x)
-        if refusal is None:
-            return copied_linear(base, weight, x, placements, deltas, self.kernels)
-        if _weight_problem(base, weight) is None:  # the base layer computes with `weight`: round as the copy does
-            deltas = rounded_deltas(weight, placements, deltas)
-        return bypassed(base, x, placements, deltas, self.kernels, *args, **kwargs)
+def merged_forward(
+    layer: nn.Module, x: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor], *args, **kwargs
+) -> torch.Tensor:
+    """A NeuroAda linear layer's `base(x) + Σ (P ⊙ Θ) x` (its `merged_forward` component): on the merged copy where it
+    can stand in, else the base layer's call plus the bypass of the deltas as the copy would round them."""
+    base, weight = layer.get_base_layer(), layer.weight_out_in()
+    refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
+    if refusal is None:
+        return copied_linear(base, weight, x, placements, deltas, layer.kernels)
+    if _weight_problem(base, weight) is None:  # the base layer computes with `weight`: round as the copy does
+        deltas = rounded_deltas(weight, placements, deltas)
+    result = base(x, *args, **kwargs)
+    return add_bypasses(result, [x] * len(deltas), placements, deltas, layer.kernels, layer._frozen())
