@@ -23,10 +23,9 @@ from .accel import sparse_products
 from .guards import check_merge, guard_loads, placement_problem
 from .merged_copy import merged_forward
 from .quantized import QuantizedLinear, keep_standard_layout, quantized_linear
-from .tuner import forward
+from .tuner import forward, layer
 from .tuner.experts import ParamWrapper
 from .tuner.forward import Placement, transformed
-from .tuner import layer
 from .tuner.model import MixedBatch
 
 # The batch a call serves reaches exactly the layers its own thread (or task) runs. torch.compile cannot trace
