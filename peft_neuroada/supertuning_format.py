@@ -1,7 +1,8 @@
-"""A NeuroAda adapter as Super-Tuning's per-neuron mode holds it, and back, exactly: the alternative contribution
-(docs/upstream/supertuning-neuron.patch) keeps Super-Tuning's format, one float32 value and one int32 flat position
-`row * d_in + col` per trainable entry, where NeuroAda keeps (n, k) deltas and (n, k) columns. Both forwards add each
-value into its entry in the weight's dtype, so the converted adapter computes the same bits.
+"""A NeuroAda adapter as Super-Tuning's per-row selection holds it, and back, exactly: the alternative contribution
+(docs/upstream/supertuning/, whose second patch adds `selection="row"`) keeps Super-Tuning's format, one float32 value
+and one int32 flat position `row * d_in + col` per trainable entry, where NeuroAda keeps (n, k) deltas and (n, k)
+columns. Both forwards add each value into its entry in the weight's dtype, so the converted adapter computes the
+same bits.
 
 Works on the state dicts peft's `get_peft_model_state_dict` / `set_peft_model_state_dict` use (adapter names
 stripped), with the model whose layers give each weight's d_in."""
@@ -31,12 +32,12 @@ def _refusal(layer: NeuroAdaLayer, adapter_name: str) -> str | None:
     if not isinstance(layer, Linear) or type(layer.get_base_layer()) is not nn.Linear:
         return "Super-Tuning adapts nn.Linear layers only"
     if adapter_name in layer.neuroada_rows:
-        return "it tunes a share of the neurons (neuron_fraction < 1), where the per-neuron mode tunes all"
+        return "it tunes a share of the neurons (neuron_fraction < 1), where the per-row selection tunes all"
     return None
 
 
 def to_supertuning(model: nn.Module, adapter_name: str = "default") -> tuple[dict, dict[str, torch.Tensor]]:
-    """The `SupertuningConfig` fields and the state dict of `model`'s NeuroAda adapter in the per-neuron mode.
+    """The `SupertuningConfig` fields and the state dict of `model`'s NeuroAda adapter in the per-row selection.
     ValueError naming the layer where the mode cannot hold it (nothing is converted then)."""
     layers, config = _layers(model, adapter_name), model.peft_config[adapter_name]
     if config.bias != "none" or config.modules_to_save:
@@ -51,8 +52,8 @@ def to_supertuning(model: nn.Module, adapter_name: str = "default") -> tuple[dic
         state[f"{name}.supertuning_values"] = layer.neuroada_delta[adapter_name].detach().reshape(-1).float()
     fields = {
         "target_modules": sorted({name.rpartition(".")[2] for name in layers}),
-        "selection": "neuron",
-        "neuron_k": max(layer.neuroada_delta[adapter_name].shape[1] for layer in layers.values()),
+        "selection": "row",
+        "entries_per_row": max(layer.neuroada_delta[adapter_name].shape[1] for layer in layers.values()),
         "select_top": config.selection != "reverse",
         "save_precomputed_indices": True,
     }
@@ -60,7 +61,7 @@ def to_supertuning(model: nn.Module, adapter_name: str = "default") -> tuple[dic
 
 
 def from_supertuning(model: nn.Module, state: dict[str, torch.Tensor], adapter_name: str = "default") -> dict:
-    """The state dict of `model`'s NeuroAda adapter (k per neuron, every neuron tuned) that holds a per-neuron
+    """The state dict of `model`'s NeuroAda adapter (k per neuron, every neuron tuned) that holds a per-row
     Super-Tuning adapter's `state`; ValueError where its entries are not k per row, row after row."""
     converted = {}
     for name, layer in _layers(model, adapter_name).items():

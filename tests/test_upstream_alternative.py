@@ -1,17 +1,27 @@
-"""The alternative first contribution, docs/upstream/supertuning-neuron.patch: peft's Super-Tuning with NeuroAda's
-selection (`selection="neuron"`), a forward that keeps nothing of the weight's size for backward and an unmerge that
-writes back what the merge overwrote. Applied with `patch -p1` to a clean copy of the source release the patches target
-(`TARGET_PEFT`), its own specs and Super-Tuning's rows of peft's custom-model table, the new per-neuron rows among
-them, pass in a process where the plugin cannot be imported; its decoder rows run on the local Llama stand-in.
-(Super-Tuning's other tests load models from the Hub, which is not reachable here.)"""
+"""The alternative first contribution, docs/upstream/supertuning/: three patches to peft's Super-Tuning, a series
+applied in order with `patch -p1` to a clean copy of the source release the patches target (`TARGET_PEFT`):
+
+1. `0001-supertuning-exact-unmerge.patch`: unmerge writes back the entries the merge overwrote (bit for bit in bf16,
+   where subtracting the values again rounds);
+2. `0002-supertuning-row-selection.patch`: `selection="row"` with `entries_per_row` (each output row's top entries by
+   magnitude, ties to the lower column: NeuroAda's selection), a line in peft's docs page and custom-model rows;
+3. `0003-supertuning-memory-saving-forward.patch`: the forward that keeps nothing of the weight's size for backward,
+   opt-in (`memory_saving_forward=True`; the default forward is unchanged), with the default forward's values under
+   `torch.autocast` and in double backward.
+
+After each patch, its specs, those of the patches before it and Super-Tuning's rows of peft's custom-model table pass
+in a process where the plugin cannot be imported. The specs, on the release without the fixes, show what each fixes:
+the unmerge specs fail there, the autocast and double-backward specs of the default forward pass there. (peft's docs
+are not in its source release: the docs page's hunk is left out when applying, as for the series' toctree.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,89 +30,108 @@ from peft import get_peft_model
 from peft_neuroada import NeuroAdaConfig
 from peft_neuroada.supertuning_format import to_supertuning
 from tests.conftest import tiny_llama
-from tests.test_peft_upstream_suite import (
-    HUB_ONLY,
-    apply_patch,
-    extracted,
-    hub_cache,
-    without_the_plugin,
-)
+from tests.test_peft_upstream_suite import apply_patch, extracted, without_the_plugin
 
-PATCH = Path(__file__).resolve().parents[1] / "docs" / "upstream" / "supertuning-neuron.patch"
-LLAMA = "peft-internal-testing/tiny-random-LlamaForCausalLM"  # the decoder stand-in Super-Tuning's rows run on
-RUNS = {
-    "per-neuron specs": ["tests/test_supertuning.py", "-k", "PerNeuron"],
-    "custom-model rows": ["tests/test_custom_models.py", "-k", "Supertuning"],
-}
+REPO = Path(__file__).resolve().parents[1]
+SERIES = sorted((REPO / "docs" / "upstream" / "supertuning").glob("*.patch"))
+DOCS_PAGE = "docs/source/package_reference/supertuning.md"  # in peft's repository, not in its source release
+SPECS = ["TestSupertuningExactUnmerge", "TestSupertuningRowSelection", "TestSupertuningMemorySavingForward"]
+CUSTOM_ROWS = [None, "Vanilla MLP 7 Supertuning per row", "Vanilla MLP 9 Supertuning Supra (r=2) memory-saving"]
+
+
+def sections(text: str) -> dict[str, str]:
+    """A patch's file sections by the path they change."""
+    parts = re.split(r"(?m)^(?=diff --git )", text)
+    return {re.match(r"diff --git a/(\S+)", part)[1]: part for part in parts if part}
+
+
+def added(text: str) -> int:
+    return len(re.findall(r"(?m)^\+(?!\+\+)", text))
 
 
 @pytest.fixture(scope="module")
-def patched_release(peft_release, tmp_path_factory) -> Path:
-    root = extracted(peft_release, tmp_path_factory.mktemp("supertuning-neuron"))
-    apply_patch(root, PATCH.read_text())
-    return root
+def tree(peft_release, tmp_path_factory) -> Callable[[int], Path]:
+    """`tree(n)`: a clean copy of the release with the first `n` patches applied (built once per stage)."""
+    trees: dict[int, Path] = {}
+
+    def build(stage: int) -> Path:
+        if stage not in trees:
+            root = extracted(peft_release, tmp_path_factory.mktemp(f"supertuning-{stage}"))
+            for patch in SERIES[:stage]:
+                apply_patch(root, "".join(s for path, s in sections(patch.read_text()).items() if path != DOCS_PAGE))
+            trees[stage] = root
+        return trees[stage]
+
+    return build
 
 
-def test_the_patch_changes_super_tuning_and_its_tests_only():
-    changed = re.findall(r"(?m)^diff --git a/(\S+)", PATCH.read_text())
-    assert changed == [
-        "src/peft/tuners/supertuning/config.py",
-        "src/peft/tuners/supertuning/layer.py",
-        "tests/test_custom_models.py",
-        "tests/test_decoder_models.py",
-        "tests/test_supertuning.py",
+def run_specs(root: Path, scratch: Path, targets: list[str], *options: str) -> tuple[str, dict[str, str]]:
+    """peft's tests `targets` in a fresh interpreter on `root`, the plugin blocked: its output, each test's outcome."""
+    junit = scratch / "junit.xml"
+    command = [sys.executable, "-m", "pytest", *targets, *options, "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    command += ["-W", "ignore::FutureWarning", f"--junitxml={junit}"]
+    env = without_the_plugin(root, scratch)
+    run = subprocess.run(command, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    outcomes = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        failed = case.find("failure") is not None or case.find("error") is not None
+        outcome = "skipped" if case.find("skipped") is not None else ("failed" if failed else "ok")
+        outcomes[f"{case.get('classname').rpartition('.')[2]}::{case.get('name')}"] = outcome
+    return run.stdout[-4000:] + run.stderr[-2000:], outcomes
+
+
+def test_the_series_changes_super_tuning_its_docs_page_and_its_tests_only():
+    assert [patch.name for patch in SERIES] == [
+        "0001-supertuning-exact-unmerge.patch",
+        "0002-supertuning-row-selection.patch",
+        "0003-supertuning-memory-saving-forward.patch",
+    ]
+    tuner = ["src/peft/tuners/supertuning/config.py", "src/peft/tuners/supertuning/layer.py"]
+    tables = ["tests/test_custom_models.py", "tests/test_supertuning.py"]
+    assert [list(sections(patch.read_text())) for patch in SERIES] == [
+        [tuner[1], tables[1]],
+        [DOCS_PAGE, *tuner, *tables],
+        [*tuner, *tables],
     ]
 
 
-@pytest.mark.parametrize("run", RUNS)
-def test_the_patched_super_tuning_passes_in_peft_without_the_plugin(patched_release, tmp_path, run):
-    command = [sys.executable, "-m", "pytest", *RUNS[run], "-q", "-p", "no:cacheprovider", "-o", "addopts="]
-    command += ["-W", "ignore::FutureWarning"]
-    env = without_the_plugin(patched_release, tmp_path)
-    completed = subprocess.run(command, capture_output=True, text=True, cwd=patched_release, env=env, timeout=600)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
-    passed = int(re.search(r"(\d+) passed", completed.stdout)[1])
-    assert passed >= (12 if run == "per-neuron specs" else 300), completed.stdout[-1000:]
-    if run == "custom-model rows":
-        listed = subprocess.run(
-            [*command, "--collect-only"], capture_output=True, text=True, cwd=patched_release, env=env
-        )
-        assert "per neuron" in listed.stdout or "per_neuron" in listed.stdout
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_passes_in_peft_without_the_plugin(tree, tmp_path, stage):
+    """After the first `stage` patches: their specs and Super-Tuning's rows of peft's custom-model table."""
+    targets = [f"tests/test_supertuning.py::{spec}" for spec in SPECS[:stage]]
+    output, outcomes = run_specs(tree(stage), tmp_path, [*targets, "tests/test_custom_models.py"], "-k", "Supertuning")
+    assert outcomes and "failed" not in outcomes.values(), output
+    specs = [name for name in outcomes if name.split("::")[0] in SPECS]
+    assert len(specs) == [7, 16, 24][stage - 1], output
+    assert len([name for name in outcomes if "Vanilla MLP" in name and outcomes[name] == "ok"]) >= 200, output
+    if CUSTOM_ROWS[stage - 1]:
+        assert any(CUSTOM_ROWS[stage - 1] in name for name in outcomes), output
 
 
-@pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory) -> Path:
-    return hub_cache(tmp_path_factory.mktemp("hub"))
+def test_the_specs_on_the_release_without_the_fixes(tmp_path, peft_release, tmp_path_factory):
+    """The three patches' specs on the unpatched release: the exact-unmerge specs fail (the merge's entries come back
+    rounded); the default forward's autocast training step and double backward pass, as they do after the series."""
+    root = extracted(peft_release, tmp_path_factory.mktemp("supertuning-specs-only"))
+    for patch in SERIES:
+        apply_patch(root, sections(patch.read_text())["tests/test_supertuning.py"])
+    targets = [f"tests/test_supertuning.py::{spec}" for spec in SPECS]
+    output, outcomes = run_specs(root, tmp_path, targets)
+    unmerge = {name: outcome for name, outcome in outcomes.items() if "unmerge" in name}
+    assert len(unmerge) == 7 and set(unmerge.values()) == {"failed"}, output
+    default = {name: outcome for name, outcome in outcomes.items() if name.endswith("[default]")}
+    assert len(default) == 3 and set(default.values()) == {"ok"}, output
+    forward = "TestSupertuningMemorySavingForward::test_"
+    assert outcomes[f"{forward}a_training_step_under_autocast[default]"] == "ok"
+    assert outcomes[f"{forward}double_backward[default]"] == "ok"
 
 
-def test_super_tuning_s_decoder_rows_pass_on_the_local_llama_stand_in(patched_release, stand_ins, tmp_path):
-    """Super-Tuning's rows of peft's decoder table, the new per-neuron row among them, on the Llama stand-in that
-    tests/test_peft_upstream_suite.py builds for peft's tiny Hub model (one of its stand-ins keeps this run short)."""
-    plugin = tmp_path / "plugin"
-    plugin.mkdir()
-    (plugin / "peft_tree_plugin.py").write_text(Path(__file__).with_name("peft_tree_plugin.py").read_text())
-    env = {
-        **without_the_plugin(patched_release, tmp_path, plugin),
-        "HF_HUB_CACHE": str(stand_ins),
-        "NEUROADA_STAND_INS": json.dumps([LLAMA]),
-        "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
-        "NEUROADA_REPORT": str(tmp_path / "report.json"),
-    }
-    command = [sys.executable, "-m", "pytest", "tests/test_decoder_models.py", "-k", "Supertuning", "-q"]
-    command += ["-p", "peft_tree_plugin", "-p", "no:cacheprovider", "-o", "addopts="]
-    completed = subprocess.run(command, capture_output=True, text=True, cwd=patched_release, env=env, timeout=900)
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
-    passed = int(re.search(r"(\d+) passed", completed.stdout)[1])
-    rows = (patched_release / "tests" / "test_decoder_models.py").read_text().count('"selection": "neuron"')
-    assert rows == 1 and passed >= 30, completed.stdout[-1000:]
-
-
-def test_upstream_md_states_the_patchs_size():
-    added = [line for line in PATCH.read_text().splitlines() if line.startswith("+") and not line.startswith("+++")]
-    in_tuner = sum(1 for _ in re.finditer(r"(?m)^\+(?!\+\+)", PATCH.read_text().split("diff --git a/tests/")[0]))
-    doc = " ".join((PATCH.parents[1] / "upstream.md").read_text().split())
-    assert f"adapter | {len(added)} (built:" in doc
-    assert f"{in_tuner} in the tuner, {len(added) - in_tuner} in tests" in doc
+def test_upstream_md_states_the_series_sizes():
+    counts = [added(patch.read_text()) for patch in SERIES]
+    in_tuner = [sum(added(s) for path, s in sections(p.read_text()).items() if "src/" in path) for p in SERIES]
+    doc = " ".join((REPO / "docs" / "upstream.md").read_text().split())
+    assert f"| {sum(counts)} (built: [upstream/supertuning/](upstream/supertuning/):" in doc
+    for patch, count, tuner in zip(SERIES, counts, in_tuner, strict=True):
+        assert f"`{patch.name.split('-', 1)[0]}` {count} ({tuner} in the tuner)" in doc
 
 
 CONVERSION = """
@@ -118,6 +147,7 @@ for dtype in (torch.float32, torch.bfloat16):
     torch.manual_seed(0)
     neuroada = get_peft_model(tiny_llama().to(dtype), NeuroAdaConfig(k=2, init_weights=False)).eval()
     fields, state = to_supertuning(neuroada)
+    assert fields["selection"] == "row" and fields["entries_per_row"] == 2, fields
     supertuning = get_peft_model(tiny_llama().to(dtype), SupertuningConfig(**fields)).eval()
     selected = get_peft_model_state_dict(supertuning)
     same = [torch.equal(selected[key].sort()[0], state[key].sort()[0]) for key in state if key.endswith("indices")]
@@ -132,14 +162,13 @@ print("exact")
 """
 
 
-def test_a_neuroada_adapter_converts_to_the_per_neuron_mode_and_back_exactly(patched_release):
-    """On the patched peft: Super-Tuning's own per-neuron selection picks the adapter's entries on the same base, the
+def test_a_neuroada_adapter_converts_to_the_per_row_selection_and_back_exactly(tree):
+    """On peft with the series: Super-Tuning's own per-row selection picks the adapter's entries on the same base, the
     converted adapter gives the same logits bit for bit in float32 and bf16, and converting back gives its tensors."""
-    repo = PATCH.parents[2]
-    paths = os.pathsep.join([str(patched_release / "src"), str(repo)])
+    paths = os.pathsep.join([str(tree(3) / "src"), str(REPO)])
     env = {**os.environ, "PYTHONPATH": paths, "HF_HUB_OFFLINE": "1"}
     run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", CONVERSION], capture_output=True, text=True, cwd=repo, env=env
+        [sys.executable, "-W", "ignore", "-c", CONVERSION], capture_output=True, text=True, cwd=REPO, env=env
     )
     assert run.returncode == 0 and run.stdout.strip() == "exact", run.stdout[-2000:] + run.stderr[-3000:]
 
@@ -152,6 +181,6 @@ def test_a_neuroada_adapter_converts_to_the_per_neuron_mode_and_back_exactly(pat
     ],
     ids=["some-neurons", "biases"],
 )
-def test_adapters_the_per_neuron_mode_cannot_hold_are_refused_by_name(config, message):
+def test_adapters_the_per_row_selection_cannot_hold_are_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         to_supertuning(get_peft_model(tiny_llama(), NeuroAdaConfig(k=2, **config)))
