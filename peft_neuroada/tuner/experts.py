@@ -83,6 +83,12 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         self.parameter_name = parameter_name
         super().__init__()
         NeuroAdaLayer.__init__(self, base_layer, **kwargs)
+        if config.neuroada_dropout:
+            raise ValueError(
+                f"NeuroAda target_parameters do not take neuroada_dropout (got {config.neuroada_dropout}), as LoRA's "
+                f"ParamWrapper does not take lora_dropout: the experts' own forward reads '{parameter_name}' with the "
+                "deltas added, so their input cannot be dropped apart. Set neuroada_dropout=0 for this adapter."
+            )
         if config.fan_in_fan_out:
             raise ValueError(
                 f"NeuroAda target_parameters take the layout from the module (its `is_transposed` or WEIGHT_LAYOUTS), "
