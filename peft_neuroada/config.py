@@ -16,7 +16,7 @@ from .tuner import config as tuner_config
 
 
 @dataclass
-class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
+class NeuroAdaPluginConfig(tuner_config.NeuroAdaConfig):
     __doc__ = tuner_config.NeuroAdaConfig.__doc__
 
     def __post_init__(self) -> None:
@@ -45,7 +45,7 @@ class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
         `PeftModel.from_pretrained` and `load_adapter` build configs through here."""
         config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         folder = Path(pretrained_model_name_or_path, subfolder or "")
-        if isinstance(config, NeuroAdaConfig) and (folder / CONFIG_NAME).is_file():
+        if isinstance(config, NeuroAdaPluginConfig) and (folder / CONFIG_NAME).is_file():
             config._saved_deltas = saved_deltas(folder)
         return config
 
@@ -61,3 +61,6 @@ class NeuroAdaConfig(tuner_config.NeuroAdaConfig):
             'embeddings through modules_to_save (e.g. NeuroAdaConfig(modules_to_save=["embed_tokens", "lm_head"])), '
             "after adding the new tokens to the tokenizer and resizing the model's embeddings yourself."
         )
+
+
+NeuroAdaConfig = NeuroAdaPluginConfig  # the name users import

@@ -41,7 +41,7 @@ from .weighted_adapters import WeightedAdapters
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
+class NeuroAdaPluginModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
     __doc__ = tuner_model.NeuroAdaModel.__doc__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -198,6 +198,9 @@ class NeuroAdaModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
         wrappers = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
         with names_handed_to(wrappers, mixed), layers.serving(mixed):
             yield
+
+
+NeuroAdaModel = NeuroAdaPluginModel  # the name users import
 
 
 def _listed(reasons: dict[str, str]) -> str:

@@ -29,3 +29,42 @@ def test_the_tuner_holds_nothing_a_peft_tuner_would_not():
         if re.search(pattern, line)
     ]
     assert not found, found
+
+
+# The classes a model adapted by the plugin is made of: each layer kind, the model and the config.
+def _built_classes() -> dict[str, type]:
+    from peft_neuroada import layers
+    from peft_neuroada.config import NeuroAdaPluginConfig
+    from peft_neuroada.model import NeuroAdaPluginModel
+    from peft_neuroada.tuner import experts
+    from peft_neuroada.tuner import layer as tuner_layer
+
+    return {
+        "tuner Linear": tuner_layer.Linear,
+        "plugin Linear": layers.NeuroAdaLinear,
+        "ParamWrapper": experts.ParamWrapper,
+        "model": NeuroAdaPluginModel,
+        "config": NeuroAdaPluginConfig,
+    }
+
+
+def test_a_layer_has_peft_s_two_levels_and_at_most_the_plugin_s_one_subclass_above():
+    for name in ("tuner Linear", "plugin Linear", "ParamWrapper"):
+        mro = _built_classes()[name].__mro__
+        assert len(mro) <= 7, f"{name}: {[cls.__name__ for cls in mro]}"
+        own = [cls for cls in mro if cls.__module__.startswith("peft_neuroada")]
+        assert len(own) <= 3, f"{name}: NeuroAdaLayer, the layer, and at most one plugin subclass: {own}"
+
+
+def test_no_class_name_appears_twice_in_any_class_chain():
+    for name, cls in _built_classes().items():
+        names = [base.__name__ for base in cls.__mro__]
+        assert len(names) == len(set(names)), f"{name}: {names}"
+
+
+def test_a_layer_has_one_forward_to_read():
+    import torch.nn
+
+    for name in ("plugin Linear", "ParamWrapper"):
+        defining = [cls for cls in _built_classes()[name].__mro__ if "forward" in vars(cls)]
+        assert defining[1:] == [torch.nn.Module], f"{name}: forward defined by {defining}"
