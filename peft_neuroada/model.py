@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
 
-from . import layers
+from . import layers, weighted_adapters
 from .config import NeuroAdaConfig
 from .gradient_selection import STRATEGIES
 from .guards import (
@@ -27,24 +27,32 @@ from .guards import (
     mark_shared_weights,
 )
 from .loading import check_saved_deltas
-from .peft_compat import PeftCompat, without_wrapper_names
+from .peft_compat import (
+    merge_all_or_nothing,
+    route_safetensors_calls,
+    trained_biases,
+    unmerge_all_or_nothing,
+    without_wrapper_names,
+)
 from .quantized import torchao_config_of, unreadable_quantized_weight, unreadable_weight, unsupported_quantization
 from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
 from .tuner.config import LLAMA_STYLE_TARGETS
-from .tuner.experts import expert_projections
+from .tuner.experts import ParamWrapper, expert_projections
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
 from .tuner.model import names_handed_to
-from .weighted_adapters import WeightedAdapters
 
 # Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class NeuroAdaPluginModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaModel):
+class NeuroAdaPluginModel(tuner_model.NeuroAdaModel):
     __doc__ = tuner_model.NeuroAdaModel.__doc__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The first NeuroAda model routes peft's safetensors calls (every save and load of an adapter makes one
+        first); any `load_state_dict` checks every layer's tensors before any loads."""
+        route_safetensors_calls()
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_pre_hook(check_before_load)
 
@@ -86,9 +94,64 @@ class NeuroAdaPluginModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaMode
         return selected
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too."""
+        """peft's, then marks shared weights, so that a layer merged directly (`layer.merge()`) refuses one too. peft
+        runs `_pre_injection_hook` before the first adapter only; later ones (`add_adapter`, `load_adapter`) are
+        checked the same way, before any layer changes (peft_compat.py)."""
+        if any(isinstance(module, NeuroAdaLayer) for module in model.modules()):
+            self._pre_injection_hook(model, self.peft_config[adapter_name], adapter_name)
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         mark_shared_weights(model, self.tuner_layer_cls)
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        """peft trains the biases a config names even for an adapter loaded for inference; nothing of one trains."""
+        super()._mark_only_adapters_as_trainable(model)
+        for name in self.active_adapters:
+            config = self.peft_config[name]
+            if config.bias != "none" and config.inference_mode:
+                for bias in trained_biases(model, config.bias):
+                    bias.requires_grad = False
+
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """All or nothing, where peft leaves the model half merged when a layer fails (peft_compat.py)."""
+        merge_all_or_nothing(self, adapter_names, safe_merge)
+
+    def unmerge_adapter(self) -> None:
+        """All or nothing, as `merge_adapter` (a layer with nothing merged warns, as peft's)."""
+        unmerge_all_or_nothing(self)
+
+    def _unload_and_optionally_merge(
+        self,
+        merge: bool = True,
+        progressbar: bool = False,
+        safe_merge: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> nn.Module:
+        """peft merges while it unloads, layer by layer, and a failing layer leaves the model half merged and half
+        unloaded. Here peft's refusal of an ambiguous `modules_to_save` selection comes first, then every layer is
+        merged (all or nothing), then peft unloads as it does for LoRA: the selected `modules_to_save` copies and its
+        fix-ups, each NeuroAda layer already merged."""
+        if merge:
+            self._check_merge_allowed()
+            for wrapper in self.model.modules():
+                if adapter_names and isinstance(wrapper, ModulesToSaveWrapper):
+                    wrapper.check_set_adapter(adapter_names)
+            self.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "All adapters are already merged", UserWarning)
+            return super()._unload_and_optionally_merge(merge, progressbar, safe_merge, adapter_names)
+
+    def _replace_module(self, parent: nn.Module, child_name: str, new_module: nn.Module, child: nn.Module) -> None:
+        """Unloading an experts module unwrapped from `ParamWrapper`s, peft would give it the wrapper's `weight`,
+        which it has none of (LoRA's model handles its own): the module only goes back in place."""
+        if isinstance(child, ParamWrapper) and new_module is not child:
+            setattr(parent, child_name, new_module)
+            return
+        super()._replace_module(parent, child_name, new_module, child)
+
+    def add_weighted_adapter(self, adapters: list[str], weights: list[float], adapter_name: str) -> None:
+        """Add adapter `adapter_name` holding `Σ weights[i] · adapters[i]` in every layer any of them adapts: exactly
+        what merging each source scaled by its weight would change in the base weights (weighted_adapters.py)."""
+        weighted_adapters.add_weighted_adapter(self, adapters, weights, adapter_name)
 
     def _check_merge_allowed(self) -> None:
         """peft's, then which weights are shared now (a merge into one would change its other holders)."""
@@ -123,7 +186,7 @@ class NeuroAdaPluginModel(PeftCompat, WeightedAdapters, tuner_model.NeuroAdaMode
         check_saved_deltas(config, [(without_wrapper_names(name), module) for name, module in targeted])
         unsupported, unreadable, unready = {}, {}, {}
         for name, module in targeted:
-            if getattr(module, "merged_into_quantized_weight", bool)():
+            if isinstance(module, NeuroAdaLayer) and module._quantized_originals:
                 raise ValueError(
                     f"Cannot add a NeuroAda adapter to '{name}' while adapters are merged into its quantized weight: "
                     "its inputs are selected on the base weights, which the merge requantized. Unmerge first "
