@@ -219,8 +219,11 @@ class NeuroAdaPluginModel(tuner_model.NeuroAdaModel):
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(["neuroada", "peft-neuroada"])  # in the card save_pretrained writes
 
-    @staticmethod
+    linear_layer_cls = layers.NeuroAdaLinear
+
+    @classmethod
     def _create_new_module(
+        cls,
         config: NeuroAdaConfig,
         adapter_name: str,
         target: nn.Module,
@@ -228,16 +231,16 @@ class NeuroAdaPluginModel(tuner_model.NeuroAdaModel):
         tuner: BaseTuner,
         parameter_name: str | None = None,
     ) -> NeuroAdaLayer:
-        """The tuner's layers with the plugin's components, their loads guarded."""
-        if parameter_name is not None:
+        """The tuner's layers with the plugin's components (an expert wrapper is given them; `NeuroAdaLinear` holds
+        them), their loads guarded."""
+        if parameter_name is None:
+            given = {"requantize_with": torchao_config_of(tuner.model)}
+        else:
             given = layers.parameter_components()
-            layer = layers.ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key, **given)
+        layer = super()._create_new_module(config, adapter_name, target, current_key, tuner, parameter_name, **given)
+        if parameter_name is not None:
             guard_loads(layer)
-            return layer
-        kwargs = tuner_model.NeuroAdaModel._linear_kwargs(config, target, current_key, tuner)
-        return layers.NeuroAdaLinear(
-            target, adapter_name, config, requantize_with=torchao_config_of(tuner.model), **kwargs
-        )
+        return layer
 
     def delete_adapter(self, adapter_name: str) -> None:
         """peft's, also dropping what the layers keep of the adapter (a merged adapter cannot be deleted: peft refuses,

@@ -84,6 +84,7 @@ class NeuroAdaModel(BaseTuner):
 
     prefix: str = PREFIX
     tuner_layer_cls = NeuroAdaLayer
+    linear_layer_cls = Linear  # what wraps a linear layer
     target_module_mapping = TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING
 
     def _prepare_adapter_config(self, peft_config: NeuroAdaConfig, model_config: dict) -> NeuroAdaConfig:
@@ -132,8 +133,9 @@ class NeuroAdaModel(BaseTuner):
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
-    @staticmethod
+    @classmethod
     def _create_new_module(
+        cls,
         config: NeuroAdaConfig,
         adapter_name: str,
         target: nn.Module,
@@ -142,16 +144,10 @@ class NeuroAdaModel(BaseTuner):
         parameter_name: str | None = None,
         **components: Any,
     ) -> NeuroAdaLayer:
-        """A `ParamWrapper` around an expert parameter, else a `Linear`. `components`: the layer's
-        (`NeuroAdaLayer.COMPONENTS`), where other than the plain ones."""
+        """A `ParamWrapper` around an expert parameter, else a `linear_layer_cls`; refuses a module NeuroAda cannot
+        adapt. `components`: the layer's (`NeuroAdaLayer.COMPONENTS`), where other than the plain ones."""
         if parameter_name is not None:
             return ParamWrapper(target, adapter_name, parameter_name, config, layer_name=current_key, **components)
-        kwargs = NeuroAdaModel._linear_kwargs(config, target, current_key, tuner)
-        return Linear(target, adapter_name, config, **kwargs, **components)
-
-    @staticmethod
-    def _linear_kwargs(config: NeuroAdaConfig, target: nn.Module, current_key: str, tuner: BaseTuner) -> dict:
-        """What a `Linear` around `target` is built with; refuses a module NeuroAda cannot adapt."""
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         kwargs = get_quantization_kwargs(tuner)
         linear = isinstance(base, (nn.Linear, Conv1D))
@@ -176,7 +172,8 @@ class NeuroAdaModel(BaseTuner):
                 stacklevel=2,
             )
             config.fan_in_fan_out = fan_in_fan_out  # as LoRA does: the saved config then loads without the warning
-        return {"fan_in_fan_out": fan_in_fan_out, "layer_name": current_key, **kwargs}
+        layer_kwargs = {"fan_in_fan_out": fan_in_fan_out, "layer_name": current_key, **kwargs, **components}
+        return cls.linear_layer_cls(target, adapter_name, config, **layer_kwargs)
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """peft's float32 upcast, but not of deltas whose `delta_dtype` the saved config fixes (the paper's bf16)."""
