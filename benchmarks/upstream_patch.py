@@ -1,25 +1,22 @@
-"""The pull requests peft would merge, as `patch -p1` files against the source release of peft TARGET_PEFT, built from
-the tuner as it is now (peft_neuroada/tuner/) and the PRs' own new files (docs/upstream/pr/: the docs page, the
-example, the method_comparison experiments, tests/test_neuroada.py):
+"""The pull request peft would merge, docs/upstream/neuroada.patch: a `patch -p1` file against the source release of
+peft TARGET_PEFT that copies the tuner as it is now (peft_neuroada/tuner/) into peft's tree as peft/tuners/neuroada/,
+with the registration, the PR's own new files (docs/upstream/pr/: the docs page, the example, the method_comparison
+experiments, tests/test_neuroada.py) and NeuroAda rows in peft's generic test tables.
 
-* docs/upstream/series/000N-*.patch, one per `SERIES` stage, each applying on top of the ones before: the core first,
-  then one extension each. A stage's tuner is the whole tuner without the later stages' files, without their classes
-  among any class's bases (extensions are classes mixed in before the core's) and without their config fields; its
-  tests/test_neuroada.py is the PR's without the later stages' tests. Imports left unused go with them (ruff's F401).
-* docs/upstream/neuroada.patch, the whole series as one patch.
-
-    python benchmarks/upstream_patch.py           # (re)writes the patches and their counts
-    python benchmarks/upstream_patch.py --check   # exit status 1 when a committed patch or its counts are stale
+    python benchmarks/upstream_patch.py           # (re)writes the patch and its counts
+    python benchmarks/upstream_patch.py --check   # exit status 1 when the committed patch or its counts are stale
 
 The counts that describe the patch (added lines, files, the tuner's lines, size) and the tuner model's overrides are
 written from what the script builds into docs/upstream.md, between `<!-- counts:NAME -->` and `<!-- /counts:NAME -->`
-(NAME: patch, overrides); no page repeats them by hand.
+(NAME: patch, overrides; docs/upstream/issue.md: sizes); no page repeats them by hand.
 
 Beside the new files it changes peft where peft keeps what a tuner registers, as it holds SHiRA and Super-Tuning: the
 `PeftType` member, the exports of `peft.tuners` and `peft`, the default-target mapping in `peft/utils/constants.py`
 (moved there from the tuner, whose imports follow it), NeuroAda rows in peft's generic test tables, and the toctree
-entry of the docs page. The tuner's files get peft's license header, `register_peft_method` in `__init__.py` and peft's
-import order. Nothing is formatted by hand: ruff, with peft's settings, orders imports and formats what is generated.
+entry of the docs page. The tuner's files get peft's license header and `register_peft_method` in `__init__.py`.
+Nothing is formatted by hand: every file the patch adds or changes goes through peft's `make style` (`ruff check
+--fix` and `ruff format` with the ruff version peft's setup.py pins and peft's own pyproject.toml, then `doc-builder
+style`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,9 @@ import difflib
 import importlib
 import inspect
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,7 +37,6 @@ import tempfile
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(REPO_ROOT)]
@@ -46,25 +44,17 @@ sys.path[:] = [str(REPO_ROOT)] + [entry for entry in sys.path if entry != str(RE
 TUNER = REPO_ROOT / "peft_neuroada" / "tuner"
 PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
 PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
-SERIES_DIR = REPO_ROOT / "docs" / "upstream" / "series"
 UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
 ISSUE_DOC = REPO_ROOT / "docs" / "upstream" / "issue.md"
-ALTERNATIVE = REPO_ROOT / "docs" / "upstream" / "supertuning-neuron.patch"
+# The alternative pull request (Super-Tuning's per-neuron mode): one patch, or the series that replaces it.
+ALTERNATIVE_SERIES = REPO_ROOT / "docs" / "upstream" / "supertuning"
 MAPPING = "TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING"
 # The peft release the patches target: their source tree, whatever peft is installed (a new release changes nothing
 # here until this names it and the patches are rebuilt on it).
 TARGET_PEFT = "0.22.0"
 TUNER_DIR = "src/peft/tuners/neuroada"
-# peft's ruff settings (its pyproject.toml), for what the build generates or moves.
-RUFF_SETTINGS = [
-    "--isolated",
-    "--line-length=119",
-    "--target-version=py310",
-    "--config=lint.isort.known-first-party=['peft']",
-    "--config=lint.isort.lines-after-imports=2",
-]
-# The rules of peft's `make quality` (its pyproject.toml's ruff lint selection), for checking the patched files.
-PEFT_LINT = ["--select=C,E,F,I,UP,W,PT009,RUF022,RUF068", "--ignore=C901,E501,F841,UP007,C420,UP045,B018"]
+# peft's Makefile: `make quality` runs `ruff check` and `ruff format --check` on these folders (those the tree has).
+QUALITY_DIRS = ("src", "tests", "examples", "docs", "scripts")
 LICENSE = """\
 # Copyright 2026-present the HuggingFace Inc. team.
 #
@@ -111,132 +101,6 @@ diff --git a/docs/source/_toctree.yml b/docs/source/_toctree.yml
      - local: package_reference/osf
 """
 
-# ------------------------------------------------------------------------------------------------ the series
-
-
-class Stage(NamedTuple):
-    """One patch of the series: what it adds to the stages before it. `files`: tuner files; `classes`: the classes
-    (in those files) the tuner's classes take among their bases from this stage on; `fields`: NeuroAdaConfig fields;
-    `definitions`: top-level definitions in the core's files (what a class of `classes` there needs); `tests`:
-    top-level definitions of the PR's tests/test_neuroada.py."""
-
-    slug: str
-    title: str
-    files: tuple[str, ...] = ()
-    classes: tuple[str, ...] = ()
-    fields: tuple[str, ...] = ()
-    definitions: tuple[str, ...] = ()
-    tests: tuple[str, ...] = ()
-
-
-SERIES = (
-    Stage("core", "NeuroAda for nn.Linear and Conv1D"),
-    Stage(
-        "merged-copy",
-        "the merged-copy path: one matmul on a transient W + P * Theta where it can stand in",
-        files=("merged_copy.py",),
-        classes=("MergedCopyForward",),
-        tests=("TestNeuroAdaMergedCopy",),
-    ),
-    Stage(
-        "moe-experts",
-        "MoE experts through target_parameters",
-        files=("experts.py",),
-        classes=("ExpertsModel",),
-        fields=("target_parameters",),
-        tests=("tiny_moe", "TestNeuroAdaExperts"),
-    ),
-    Stage(
-        "mixed-batches",
-        "mixed batches (adapter_names)",
-        files=("mixed_batch.py",),
-        classes=("MixedBatchLinear", "MixedBatchModel"),
-        tests=("TestNeuroAdaMixedBatches",),
-    ),
-    Stage(
-        "quantized-merge-and-offload",
-        "merges into quantized weights, and accelerate's offloading",
-        files=("quantized_merge.py",),
-        classes=("QuantizedMerge", "Offloaded"),
-        tests=("TestNeuroAdaOffload",),
-    ),
-    Stage(
-        "load-guards",
-        "guards on loaded indices and on merges into shared weights",
-        files=("guards.py",),
-        classes=("GuardedLayer", "GuardedModel", "FieldChecks"),
-        definitions=("FieldChecks", "_is_int", "_is_none_or_names", "BIAS_OPTIONS", "SEED_RANGE"),
-        tests=("with_column", "TestNeuroAdaIndexGuards"),
-    ),
-)
-
-
-def series_names() -> list[str]:
-    return [f"{number:04d}-neuroada-{stage.slug}.patch" for number, stage in enumerate(SERIES, 1)]
-
-
-def later(stage: int) -> list[Stage]:
-    return list(SERIES[stage + 1 :])
-
-
-def without_bases(source: str, names: set[str]) -> str:
-    """Every class of `source` without `names` among its bases (the class header rewritten on one line)."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    for node in sorted((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)), key=lambda n: -n.lineno):
-        bases = [ast.get_source_segment(source, base) for base in node.bases]
-        kept = [base for base in bases if base not in names]
-        if kept == bases:
-            continue
-        first = node.lineno - 1
-        last = node.body[0].lineno - 1
-        while not lines[last - 1].rstrip().endswith(":"):
-            last -= 1
-        indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
-        lines[first:last] = [f"{indent}class {node.name}({', '.join(kept)}):\n"] + [""] * (last - first - 1)
-    return "".join(lines)
-
-
-def without_definitions(source: str, names: set[str]) -> str:
-    """`source` without its top-level functions, classes or assignments named in `names` (decorators included)."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    for node in reversed(tree.body):
-        name = getattr(node, "name", None) or next(
-            (t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)), None
-        )
-        if name in names:
-            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-            lines[first : node.end_lineno] = []
-    return "".join(lines)
-
-
-def without_fields(source: str, fields: set[str]) -> str:
-    """The config without `fields`: their dataclass fields, their `Args:` entries and their `_check_fields` entries."""
-    for field in fields:
-        tree = ast.parse(source)
-        lines = source.splitlines(keepends=True)
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NeuroAdaConfig")
-        spans = [
-            (n.lineno, n.end_lineno)
-            for n in cls.body
-            if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == field
-        ]
-        for node in ast.walk(cls):
-            if isinstance(node, ast.Dict):
-                for key, value in zip(node.keys, node.values, strict=True):
-                    if isinstance(key, ast.Constant) and key.value == field:
-                        spans.append((key.lineno, value.end_lineno))
-        for first, last in sorted(spans, reverse=True):
-            lines[first - 1 : last] = []
-        source = "".join(lines)
-        entry = re.compile(rf"(?m)^        {field} \(.*\n(?:^            .*\n)*")
-        if len(entry.findall(source)) != 1:
-            raise ValueError(f"NeuroAdaConfig's docstring has no single Args entry for {field}")
-        source = entry.sub("", source)
-    return source
-
-
 # ------------------------------------------------------------------------------------------ the test tables
 # The rows, in peft's style, put beside Super-Tuning's in each table (or at the end of a table it has no rows in).
 CUSTOM_MODEL_CASES = """\
@@ -281,6 +145,13 @@ MIXED_BATCH_CASES = """\
     ),
 """
 MIXED_MODULES_TO_SAVE = "            NeuroAdaConfig,\n"
+# test_quantization.py's method x quantization-backend matrix: the targets its loaders count (q_proj, v_proj).
+QUANTIZATION_CASE = """\
+    (
+        NeuroAdaConfig,
+        {"k": 2, "target_modules": ["q_proj", "v_proj"]},
+    ),
+"""
 
 
 def transformers_case(task_type: str, targets: list[str] | None) -> str:
@@ -342,7 +213,8 @@ def parametrized_with(function: str, after: str, text: str) -> Edit:
 
 
 def imported_from(module: str, *names: str, level: int = 0) -> Edit:
-    """Add `names` to the (one name a line) `from module import (...)` statement, each at its sorted place."""
+    """Add `names` to the `from module import ...` statement, each at its sorted place: a line of its own in a
+    statement of one name a line, or in the line of a one-line statement (which peft's style then wraps if long)."""
 
     def edit(source: str) -> str:
         for name in names:
@@ -351,7 +223,14 @@ def imported_from(module: str, *names: str, level: int = 0) -> Edit:
                 for n in ast.parse(source).body
                 if isinstance(n, ast.ImportFrom) and n.module == module and n.level == level
             )
-            source = insert_sorted(source, name, f"    {name},\n", [(a.name, a.lineno) for a in statement.names])
+            members = [(a.name, a.lineno) for a in statement.names]
+            if statement.lineno != statement.end_lineno:
+                source = insert_sorted(source, name, f"    {name},\n", members)
+                continue
+            imported = sorted([a.name for a in statement.names] + [name], key=import_order)
+            line = f"from {'.' * level}{module} import {', '.join(imported)}\n"
+            lines = source.splitlines(keepends=True)
+            source = "".join(lines[: statement.lineno - 1] + [line] + lines[statement.lineno :])
         return source
 
     return edit
@@ -399,14 +278,16 @@ def insert_lines(source: str, after_line: int, text: str) -> str:
     return "".join(lines[:after_line] + [text] + lines[after_line:])
 
 
+def import_order(member: str) -> tuple[int, str]:
+    """Where ruff's isort and RUF022 put a name: constants, classes, the rest; case aside."""
+    return (0 if member.isupper() else 1 if member[:1].isupper() else 2, member.lower())
+
+
 def insert_sorted(source: str, name: str, text: str, members: list[tuple[str, int]]) -> str:
     """Put `text` before the first of `members` ((name, line)) that sorts after `name` as ruff's isort and RUF022
     order them (constants, classes, the rest; case aside), or after the last one."""
 
-    def key(member: str) -> tuple[int, str]:
-        return (0 if member.isupper() else 1 if member[:1].isupper() else 2, member.lower())
-
-    later = [line for member, line in members if key(member) > key(name)]
+    later = [line for member, line in members if import_order(member) > import_order(name)]
     return insert_lines(source, later[0] - 1, text) if later else insert_lines(source, members[-1][1], text)
 
 
@@ -429,6 +310,7 @@ EDITS: dict[str, list[Edit]] = {
         table_rows("TEST_CASES", CUSTOM_MODEL_CASES),
         table_rows("MULTIPLE_ACTIVE_ADAPTERS_TEST_CASES", MULTIPLE_ACTIVE_ADAPTERS_CASES),
         parametrized_with("test_multiple_adapters_mixed_modules_to_save", "SupertuningConfig", MIXED_MODULES_TO_SAVE),
+        table_rows("MIXED_ADAPTER_TEST_CASES", MIXED_BATCH_CASES, None),
         parametrized_with(
             "test_multiple_adapters_mixed_modules_to_save_order_switched", "SupertuningConfig", MIXED_MODULES_TO_SAVE
         ),
@@ -449,25 +331,11 @@ EDITS: dict[str, list[Edit]] = {
         imported_from("peft", "NeuroAdaConfig"),
         table_rows("ALL_CONFIGS", transformers_case("SEQ_CLS", None)),
     ],
+    "tests/test_quantization.py": [
+        imported_from("peft", "NeuroAdaConfig"),
+        table_rows("TEST_CASES", QUANTIZATION_CASE, None),
+    ],
 }
-
-
-def serves_mixed_batches(stage: int = len(SERIES) - 1) -> bool:
-    """Whether the tuner at `stage` serves peft's mixed batches (`adapter_names`) itself: its model hands the names
-    to the layers through `_enable_peft_forward_hooks`, as LoRA's does."""
-    return any(
-        isinstance(node, ast.FunctionDef) and node.name == "_enable_peft_forward_hooks"
-        for source in tuner_files(stage).values()
-        for node in ast.walk(ast.parse(source))
-    )
-
-
-def edits(stage: int = len(SERIES) - 1) -> dict[str, list[Edit]]:
-    """EDITS, with the mixed-batch row where the tuner at `stage` serves mixed batches."""
-    if not serves_mixed_batches(stage):
-        return EDITS
-    custom = [*EDITS["tests/test_custom_models.py"], table_rows("MIXED_ADAPTER_TEST_CASES", MIXED_BATCH_CASES, None)]
-    return {**EDITS, "tests/test_custom_models.py": custom}
 
 
 # ---------------------------------------------------------------------------------------------- the tuner
@@ -486,10 +354,11 @@ def mapping_statement(tree: ast.Module) -> ast.stmt | None:
 
 
 def mapping_definition() -> str:
-    """The tuner's mapping written out for constants.py, under the comment it has in the tuner."""
+    """The tuner's mapping written out for constants.py, under the comment it has in the tuner (peft's style formats
+    it with the rest of the file)."""
     mapping, comment = tuner_mapping()
     entries = "".join(f"    {json.dumps(arch)}: {json.dumps(targets)},\n" for arch, targets in mapping.items())
-    return ruff_format(f"{comment}{MAPPING} = {{\n{entries}}}\n")
+    return f"{comment}{MAPPING} = {{\n{entries}}}\n"
 
 
 def tuner_mapping() -> tuple[dict[str, list[str]], str]:
@@ -533,18 +402,12 @@ def without_mapping(source: str) -> str:
     return "".join(lines)
 
 
-def tuner_files(stage: int = len(SERIES) - 1) -> dict[str, str]:
-    """peft/tuners/neuroada/ as the series adds it up to `stage` (before peft's style): the tuner's modules without
-    the later stages', the mapping read from peft.utils, the package registering the method."""
-    files, gone = {}, later(stage)
+def tuner_files() -> dict[str, str]:
+    """peft/tuners/neuroada/ (before peft's style): the tuner's modules as they are, the mapping read from peft.utils,
+    the package registering the method."""
+    files = {}
     for path in sorted(TUNER.glob("*.py")):
-        if any(path.name in s.files for s in gone):
-            continue
         source = without_mapping(path.read_text())
-        source = without_bases(source, {name for s in gone for name in s.classes})
-        source = without_definitions(source, {name for s in gone for name in s.definitions})
-        if path.name == "config.py":
-            source = without_fields(source, {field for s in gone for field in s.fields})
         if path.name == "__init__.py":
             source = "from peft.utils import register_peft_method\n" + without_docstring(source) + REGISTRATION
         files[f"{TUNER_DIR}/{path.name}"] = source
@@ -562,20 +425,16 @@ def without_docstring(source: str) -> str:
 # ----------------------------------------------------------------------------------------- the PR's own files
 
 
-def pr_files(stage: int = len(SERIES) - 1) -> dict[str, str]:
-    """docs/upstream/pr/ as it lands in peft up to `stage` (its ruff.toml, which lints the files there as peft does,
-    and caches stay here; the tests without the later stages'), and the method_comparison experiments' adapter
-    configs, written as peft writes a config."""
+def pr_files() -> dict[str, str]:
+    """docs/upstream/pr/ as it lands in peft (its ruff.toml, which lints the files there as peft does, and caches
+    stay here), and the method_comparison experiments' adapter configs, written as peft writes a config."""
     files = {
         path.relative_to(PR_FILES).as_posix(): path.read_text()
         for path in sorted(PR_FILES.rglob("*"))
         if path.is_file() and path.name != "ruff.toml" and not any(part.startswith((".", "__")) for part in path.parts)
     }
-    tests = "tests/test_neuroada.py"
-    files[tests] = without_definitions(files[tests], {name for s in later(stage) for name in s.tests})
     for name, k in EXPERIMENTS.items():
-        config = experiment_config(k, {field for s in later(stage) for field in s.fields})
-        files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = config
+        files[f"{EXPERIMENTS_DIR}/{name}/adapter_config.json"] = experiment_config(k)
     return files
 
 
@@ -583,50 +442,107 @@ EXPERIMENTS_DIR = "method_comparison/MetaMathQA/experiments/neuroada"
 EXPERIMENTS = {"llama-3.2-3B-k1": 1, "llama-3.2-3B-k20": 20}
 
 
-def experiment_config(k: int, absent: set[str] = frozenset()) -> str:
-    """A NeuroAda adapter_config.json for Llama-3.2-3B (the paper's seven projections, peft's benchmark's task),
-    without the `absent` fields (those a later patch adds)."""
+def experiment_config(k: int) -> str:
+    """A NeuroAda adapter_config.json for Llama-3.2-3B (the paper's seven projections, peft's benchmark's task)."""
     from peft_neuroada.tuner.config import NeuroAdaConfig
 
     targets = tuner_mapping()[0]["llama"]
     config = NeuroAdaConfig(k=k, target_modules=list(targets), task_type="CAUSAL_LM").to_dict()
     config.pop("peft_version", None)  # peft adds the running version when it saves
-    config = {
-        key: sorted(value) if isinstance(value, set) else value for key, value in config.items() if key not in absent
-    }
+    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
     return json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ the patch
 
 
-def ruff(arguments: list[str], target: str | Path, source: str | None = None) -> str:
-    """ruff with peft's settings on `target` (a folder, or with `source`: a file name for stdin); its output."""
-    command = [sys.executable, "-m", "ruff", *arguments, *RUFF_SETTINGS]
-    if source is not None:
-        command += [f"--stdin-filename={target}", "-"]
-    else:
-        command.append(str(target))
-    run = subprocess.run(command, input=source, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"ruff {' '.join(arguments)} failed: {run.stderr}")
-    return run.stdout
+def quality_pin(release: Release, name: str) -> str:
+    """The version peft's setup.py pins `name` at in `extras["quality"]` (what `pip install peft[quality]` gets)."""
+    extras = re.search(r'(?s)extras\["quality"\] = \[(.*?)\]', release.files["setup.py"])
+    pinned = re.search(rf'"{re.escape(name)}==([^"]+)"', extras[1]) if extras else None
+    if pinned is None:
+        raise ValueError(f"peft's setup.py pins no {name} in extras['quality']")
+    return pinned[1]
 
 
-def ruff_format(source: str) -> str:
-    return ruff(["format", "--quiet"], "generated.py", source)
+def pinned_ruff(release: Release) -> Path:
+    """The ruff executable at the version peft's setup.py pins, installed once (`pip install --target`) into the
+    project cache."""
+    from peft_neuroada.cache import cache_root
+
+    version = quality_pin(release, "ruff")
+    folder = cache_root() / "peft-quality" / f"ruff-{version}"
+    executable = folder / "bin" / "ruff"
+    if not executable.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(staging), f"ruff=={version}"]
+        installed = subprocess.run(command, capture_output=True, text=True)
+        if installed.returncode != 0:
+            raise FileNotFoundError(f"ruff {version}, which peft pins: {installed.stderr[-500:]}")
+        try:
+            staging.rename(folder)
+        except OSError:  # another process installed it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return executable
 
 
-def peft_style(files: dict[str, str]) -> dict[str, str]:
-    """peft's `make style` for the Python files the PR adds: its license header, imports ordered (peft first
-    party), formatted."""
+def doc_builder(release: Release) -> tuple[list[str], dict[str, str]]:
+    """The `doc-builder` command of peft's `make style` and `make quality` (hf-doc-builder and black, which peft's
+    setup.py lists in `extras["quality"]` unpinned), installed once with their dependencies (`pip install --target`)
+    into the project cache; with the environment it runs in."""
+    from peft_neuroada.cache import cache_root
+
+    for name in ("hf-doc-builder", "black"):
+        if not re.search(rf'"{name}"', release.files["setup.py"]):
+            raise ValueError(f"peft's setup.py no longer lists {name}: see how its `make quality` runs doc-builder")
+    folder = cache_root() / "peft-quality" / "doc-builder"
+    if not (folder / "bin" / "doc-builder").exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        command = [sys.executable, "-m", "pip", "install", "--target", str(staging), "hf-doc-builder", "black"]
+        installed = subprocess.run(command, capture_output=True, text=True)
+        if installed.returncode != 0:
+            raise FileNotFoundError(f"hf-doc-builder, which peft's make quality runs: {installed.stderr[-500:]}")
+        try:
+            staging.rename(folder)
+        except OSError:  # another process installed it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return [sys.executable, str(folder / "bin" / "doc-builder")], {**os.environ, "PYTHONPATH": str(folder)}
+
+
+def doc_style(release: Release, arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`doc-builder style ARGUMENTS --max_len 119` (peft's Makefile), run in `cwd`."""
+    command, env = doc_builder(release)
+    return subprocess.run(
+        [*command, "style", *arguments, "--max_len", "119"], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def ruff(release: Release, arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """peft's pinned ruff run in `cwd` (a tree holding peft's pyproject.toml, whose settings it reads)."""
+    return subprocess.run([str(pinned_ruff(release)), *arguments], capture_output=True, text=True, cwd=cwd)
+
+
+def peft_style(files: dict[str, str], release: Release) -> dict[str, str]:
+    """peft's `make style` (`ruff check --fix`, `ruff format`, with peft's pinned ruff and its pyproject.toml, then
+    `doc-builder style`, which fits docstrings to 119 columns) on the files the PR adds or changes; the Python files it
+    adds get peft's license header first."""
     with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch, "pyproject.toml").write_text(release.files["pyproject.toml"])
         for name, source in files.items():
             path = Path(scratch, name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(LICENSE + "\n" + source if name.endswith(".py") else source)
-        ruff(["check", "--select=F401,I", "--fix", "--exit-zero", "--quiet"], scratch)
-        ruff(["format", "--quiet"], scratch)
+            new_python = name.endswith(".py") and name not in release.files
+            path.write_text(LICENSE + "\n" + source if new_python else source)
+        python = sorted(name for name in files if name.endswith(".py"))
+        for arguments in (["check", "--fix", "--exit-zero", "--quiet"], ["format", "--quiet"]):
+            run = ruff(release, [*arguments, *python], Path(scratch))
+            if run.returncode != 0:
+                raise RuntimeError(f"ruff {' '.join(arguments)} failed: {run.stderr}")
+        run = doc_style(release, python, Path(scratch))
+        if run.returncode != 0:
+            raise RuntimeError(f"doc-builder style failed: {run.stdout[-1000:]}{run.stderr[-2000:]}")
         return {name: Path(scratch, name).read_text() for name in files}
 
 
@@ -655,42 +571,26 @@ def file_diff(path: str, old: str | None, new: str) -> str:
     return header + "".join(lines)
 
 
-def stage_tree(release: Release, stage: int) -> dict[str, str]:
-    """Every file the series up to `stage` adds or changes, as it reads after that patch."""
-    changed = peft_style({**tuner_files(stage), **pr_files(stage)})
-    for path, steps in edits(stage).items():
+def patched_files(release: Release) -> dict[str, str]:
+    """Every file the patch adds or changes, as it reads after the patch."""
+    changed = {**tuner_files(), **pr_files()}
+    for path, steps in EDITS.items():
         source = release.files[path]
         for step in steps:
             source = step(source)
         changed[path] = source
-    return changed
-
-
-def tree_diff(release: Release, before: dict[str, str], after: dict[str, str], toctree: bool) -> str:
-    """The patch from `before` to `after` (files the series changes; others as released), with the toctree hunk."""
-    sections = [
-        file_diff(path, before.get(path, release.files.get(path)), text)
-        for path, text in sorted(after.items())
-        if before.get(path, release.files.get(path)) != text
-    ]
-    sections += [TOCTREE_HUNK] if toctree else []
-    return "".join(sorted(sections, key=lambda section: section.split("\n", 1)[0]))
-
-
-def build_series(archive: Path) -> dict[str, str]:
-    """The series' patches by file name, each from the tree the ones before leave."""
-    release = Release(archive)
-    trees = [stage_tree(release, stage) for stage in range(len(SERIES))]
-    return {
-        name: tree_diff(release, trees[number - 1] if number else {}, trees[number], toctree=not number)
-        for number, name in enumerate(series_names())
-    }
+    return peft_style(changed, release)
 
 
 def build_patch(archive: Path) -> str:
-    """The whole series as one patch against the source release `archive`."""
+    """The patch against the source release `archive`: every file it adds or changes, and the toctree hunk."""
     release = Release(archive)
-    return tree_diff(release, {}, stage_tree(release, len(SERIES) - 1), toctree=True)
+    sections = [
+        file_diff(path, release.files.get(path), text)
+        for path, text in patched_files(release).items()
+        if release.files.get(path) != text
+    ]
+    return "".join(sorted([*sections, TOCTREE_HUNK], key=lambda section: section.split("\n", 1)[0]))
 
 
 def project_references(patch: str) -> list[str]:
@@ -733,13 +633,6 @@ def tuner_overrides(model_class: type) -> list[str]:
     )
 
 
-def stage_overrides(stage: int) -> list[str]:
-    """`tuner_overrides` of NeuroAdaModel as the series leaves it after `stage`, read from its source."""
-    from peft.tuners.tuners_utils import BaseTuner
-
-    return source_overrides(tuner_files(stage).values(), "NeuroAdaModel", lambda name: hasattr(BaseTuner, name))
-
-
 def release_overrides(release: Release, model_class: str) -> list[str]:
     """`tuner_overrides` of peft's tuner model class `model_class` as the source release holds it (its package's
     classes, and BaseTuner's methods there or nn.Module's)."""
@@ -780,22 +673,6 @@ def source_overrides(sources, model_class: str, on_base_tuner: Callable[[str], b
     return names
 
 
-def series_table(series: dict[str, str]) -> str:
-    """The series as a table: per patch, what it adds, its added lines, and the tuner's lines (license headers
-    included) and overrides after it."""
-    rows = [
-        "| patch | adds | added lines (tuner) | tuner lines after it | BaseTuner overrides beyond the required one |"
-    ]
-    rows.append("|---|---|---:|---:|---|")
-    for stage, (name, patch) in enumerate(series.items()):
-        counts = patch_counts(patch)
-        tuner = sum(len(text.splitlines()) for text in peft_style(tuner_files(stage)).values())
-        extra = [f"`{method}`" for method in stage_overrides(stage) if method != "_create_and_replace"]
-        row = f"| `{name}` | {SERIES[stage].title} | {counts['added']:,} ({counts['tuner']:,}) | {tuner:,} |"
-        rows.append(f"{row} {len(extra)}: {', '.join(extra) or 'none'} |")
-    return "\n".join(rows)
-
-
 def patch_counts(patch: str) -> dict[str, int]:
     """Added lines (all, and those of the tuner's files), files, lines and bytes of a patch."""
     counts, path, previous = {"added": 0, "tuner": 0}, "", ""
@@ -810,8 +687,9 @@ def patch_counts(patch: str) -> dict[str, int]:
     return counts | {"files": files, "lines": len(patch.splitlines()), "bytes": len(patch.encode())}
 
 
-def count_texts(patch: str, series: dict[str, str], release: Release) -> dict[str, str]:
-    """What each marked block of docs/upstream.md says, by block name (peft's tuners counted in `release`)."""
+def count_texts(patch: str, release: Release) -> dict[str, str]:
+    """What each marked block of docs/upstream.md and the issue says, by block name (peft's tuners counted in
+    `release`)."""
     from peft_neuroada.tuner.model import NeuroAdaModel
 
     counts = patch_counts(patch)
@@ -831,37 +709,43 @@ def count_texts(patch: str, series: dict[str, str], release: Release) -> dict[st
             + "".join(f" and `{name}`, which `PeftModel` calls where a tuner defines it" for name in hooks)
             + f". Counted the same way, peft {TARGET_PEFT}'s {', '.join(peers)}."
         ),
-        "series": series_table(series),
-        "sizes": sizes_text(series),
+        "sizes": sizes_text(counts),
     }
 
 
-def sizes_text(series: dict[str, str]) -> str:
-    """The two ways in, by size, for the coordination issue."""
-    counts = [patch_counts(patch) for patch in series.values()]
-    alternative = patch_counts(ALTERNATIVE.read_text())
-    in_tests = len(re.findall(r"(?m)^\+(?!\+\+)", ALTERNATIVE.read_text().split("diff --git a/tests/", 1)[1]))
-    core, follow_ups = counts[0], counts[1:]
+def alternative_patches() -> list[Path]:
+    """The alternative pull request's patches, in order."""
+    return sorted(ALTERNATIVE_SERIES.glob("000[1-9]-*.patch"))
+
+
+def sizes_text(counts: dict[str, int]) -> str:
+    """The two ways in, by size, for the coordination issue (`counts`: this patch's)."""
+    patches = [path.read_text() for path in alternative_patches()]
+    added = sum(patch_counts(patch)["added"] for patch in patches)
+    in_tuner = sum(
+        len(re.findall(r"(?m)^\+(?!\+\+)", section))
+        for patch in patches
+        for section in re.split(r"(?m)^(?=diff --git )", patch)
+        if section.startswith("diff --git a/src/peft/tuners/supertuning/")
+    )
     return (
-        f"The alternative adds {alternative['added']:,} lines ({alternative['added'] - in_tests:,} in Super-Tuning's "
-        f"tuner, {in_tests:,} in its tests). The series' core adds {core['added']:,} lines ({core['tuner']:,} in the "
-        "tuner; the rest its tests, peft's test-table rows, a docs page, an example and two method_comparison "
-        f"experiments), and its {len(follow_ups)} follow-ups {sum(c['added'] for c in follow_ups):,} more "
-        f"({sum(c['tuner'] for c in follow_ups):,} in the tuner)."
+        f"The alternative's {len(patches)} patches add {added:,} lines ({in_tuner:,} in Super-Tuning's tuner, the "
+        f"rest its tests and docs). NeuroAda's pull request adds {counts['added']:,} lines ({counts['tuner']:,} in "
+        "the tuner; the rest its tests, peft's test-table rows, a docs page, an example and two method_comparison "
+        "experiments)."
     )
 
 
-def with_counts(doc: str, patch: str, series: dict[str, str], release: Release) -> str:
-    """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch`,
-    `series` and `release` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
-    for name, text in count_texts(patch, series, release).items():
+def with_counts(doc: str, patch: str, release: Release) -> str:
+    """`doc` (docs/upstream.md or the issue) with every block it marks holding what count_texts says for `patch` and
+    `release` (docs/upstream.md marks every block but `sizes`, which the issue marks)."""
+    for name, text in count_texts(patch, release).items():
         pattern = re.compile(rf"(<!-- counts:{name} -->\n).*?(<!-- /counts:{name} -->)", re.DOTALL)
         if not pattern.findall(doc):
             continue
         if len(pattern.findall(doc)) != 1:
             raise ValueError(f"a page marks counts:{name} more than once")
-        if not text.startswith("|"):
-            text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
+        text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
         doc = pattern.sub(lambda match, text=text: match[1] + text + "\n" + match[2], doc)
     return doc
 
@@ -889,19 +773,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="Only compare with the committed patch and counts.")
     args = parser.parse_args(argv)
     release = default_release()
-    patch, series = build_patch(release), build_series(release)
-    wanted = {PATCH: patch, **{SERIES_DIR / name: text for name, text in series.items()}}
+    patch = build_patch(release)
     sources = Release(release)
-    wanted |= {page: with_counts(page.read_text(), patch, series, sources) for page in (UPSTREAM_DOC, ISSUE_DOC)}
+    wanted = {PATCH: patch}
+    wanted |= {page: with_counts(page.read_text(), patch, sources) for page in (UPSTREAM_DOC, ISSUE_DOC)}
     if args.check:
         stale = [path for path, text in wanted.items() if not (path.exists() and path.read_text() == text)]
-        stale += sorted(set(SERIES_DIR.glob("*.patch")) - set(wanted))
         for path in wanted:
             print(f"{path.relative_to(REPO_ROOT)} is {'stale' if path in stale else 'up to date'}")
         return int(bool(stale))
-    SERIES_DIR.mkdir(parents=True, exist_ok=True)
-    for path in set(SERIES_DIR.glob("*.patch")) - set(wanted):
-        path.unlink()
     for path, text in wanted.items():
         if not path.exists() or path.read_text() != text:
             path.write_text(text)

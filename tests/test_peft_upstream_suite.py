@@ -6,10 +6,12 @@ adds anything to peft's files: the NeuroAda rows, `tests/test_neuroada.py` and t
 patch.
 
 What runs: every NeuroAda case of test_custom_models.py, test_config.py (but the three tests that read an adapter
-repository on the Hub) and test_neuroada.py, and those of the test files whose models come from the Hub (decoder,
+repository on the Hub) and test_neuroada.py, those of test_quantization.py on the quantization backends the process
+has (bitsandbytes and torchao run on the CPU), and those of the test files whose models come from the Hub (decoder,
 encoder-decoder, feature-extraction, sequence-classification) on every model they list but three decoders
-(`SERVED`), each built here from a config as a local stand-in for peft's tiny Hub model (`STAND_INS`). After each
-patch of the series but the last, the first three files run.
+(`SERVED`), each built here from a config as a local stand-in for peft's tiny Hub model (`STAND_INS`). The patched
+tree passes peft's `make quality`: its ruff commands with the ruff version peft pins and peft's pyproject.toml, and
+`doc-builder style --check_only`.
 """
 
 from __future__ import annotations
@@ -65,7 +67,12 @@ from tests.conftest import save_tiny_llama
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 UPSTREAM_DOC = BENCHMARKS.parent / "docs" / "upstream.md"
-RUN_FILES = ("tests/test_custom_models.py", "tests/test_config.py", "tests/test_neuroada.py")
+RUN_FILES = (
+    "tests/test_custom_models.py",
+    "tests/test_config.py",
+    "tests/test_neuroada.py",
+    "tests/test_quantization.py",
+)
 HUB_FILES = (
     "tests/test_decoder_models.py",
     "tests/test_encoder_decoder_models.py",
@@ -157,6 +164,25 @@ STAND_INS: dict[str, Callable[[], PreTrainedModel]] = {
         LlamaConfig(num_key_value_heads=2, pad_token_id=0, **TINY)
     ),
 }
+# test_quantization.py's model, quantized as each backend loads it: OPT's 12 layers (its loaders count q_proj and
+# v_proj in each), 256 wide: four of bitsandbytes' 4-bit blocks of 64 values a row (OPT-125m has 12), so that a row's
+# largest inputs, each its block's largest, are told apart after 4-bit quantization as in the real model (64 wide, one
+# block a row, the second largest falls into a tie and NeuroAda's choice on the quantized and full-precision model
+# differs: the correlation of their outputs drops to 0.88, under the test's 0.9).
+QUANTIZED_MODEL = "peft-internal-testing/opt-125m"
+QUANTIZED_STAND_IN = {
+    QUANTIZED_MODEL: lambda: OPTForCausalLM(
+        OPTConfig(
+            vocab_size=128,
+            hidden_size=256,
+            ffn_dim=128,
+            num_hidden_layers=12,
+            num_attention_heads=4,
+            word_embed_proj_dim=256,
+            max_position_embeddings=64,
+        )
+    )
+}
 # Decoders the suite's run leaves out (each adds about 6 s to about 300): those kept are the paper's Llama, GPT-2's
 # Conv1D and OPT, peft's reference decoder. `NEUROADA_ALL_DECODERS=1` serves all (docs/upstream.md: command, counts).
 LEFT_OUT_DECODERS = (
@@ -165,6 +191,9 @@ LEFT_OUT_DECODERS = (
     "hf-internal-testing/tiny-random-Gemma3ForCausalLM",
 )
 SERVED = [model for model in STAND_INS if os.environ.get("NEUROADA_ALL_DECODERS") or model not in LEFT_OUT_DECODERS]
+QUANTIZATION_FILE = "tests/test_quantization.py"
+# The test_quantization.py backends that run on the CPU when their package is installed (GPTQ needs gptqmodel).
+CPU_BACKENDS = ("bnb_8bit", "bnb_4bit", "torchao_int8_weight_only", "torchao_int8_dynamic_activation_int8")
 CUSTOM_MODEL_CASES = [f"Vanilla MLP {i} NeuroAda" for i in range(1, 6)]
 CUSTOM_MODEL_CASES += ["Vanilla MLP 6 NeuroAda half the neurons", "Embedding + transformers Conv1D 1 NeuroAda"]
 
@@ -202,7 +231,7 @@ def apply_patch(root: Path, text: str) -> None:
 
 def hub_cache(folder: Path) -> Path:
     """The stand-ins saved as the Hub cache holds downloaded models (a snapshot per model, `refs/main` naming it)."""
-    for model_id, build in STAND_INS.items():
+    for model_id, build in {**STAND_INS, **QUANTIZED_STAND_IN}.items():
         torch.manual_seed(0)
         commit = hashlib.sha1(model_id.encode()).hexdigest()
         repository = folder / f"models--{model_id.replace('/', '--')}"
@@ -234,7 +263,7 @@ def hub(tmp_path_factory) -> Path:
 
 def run_peft_tests(tree: Path, scratch: Path, hub: Path, files: tuple[str, ...]) -> dict:
     """peft's test `files`, `-k neuroada`, in a fresh interpreter on `tree` (the Hub-model files' on the `SERVED`
-    stand-ins): the JUnit test cases and which peft ran."""
+    stand-ins, test_quantization.py's on `QUANTIZED_STAND_IN`): the JUnit test cases and which peft ran."""
     plugin = scratch / "plugin"
     plugin.mkdir()
     shutil.copy(Path(__file__).with_name("peft_tree_plugin.py"), plugin)
@@ -242,7 +271,7 @@ def run_peft_tests(tree: Path, scratch: Path, hub: Path, files: tuple[str, ...])
     env = {
         **without_the_plugin(tree, scratch, plugin),
         "HF_HUB_CACHE": str(hub),
-        "NEUROADA_STAND_INS": json.dumps(SERVED),
+        "NEUROADA_STAND_INS": json.dumps([*SERVED, QUANTIZED_MODEL]),
         "NEUROADA_HUB_ONLY": json.dumps(HUB_ONLY),
         "NEUROADA_REPORT": str(report),
     }
@@ -255,7 +284,7 @@ def run_peft_tests(tree: Path, scratch: Path, hub: Path, files: tuple[str, ...])
 
 @pytest.fixture(scope="module")
 def peft_run(patched_tree, hub, tmp_path_factory) -> dict:
-    return run_peft_tests(patched_tree, tmp_path_factory.mktemp("peft-run"), hub, RUN_FILES + HUB_FILES)
+    return run_peft_tests(patched_tree, tmp_path_factory.mktemp("peft-run"), hub, (*RUN_FILES, *HUB_FILES))
 
 
 def of_file(cases: list[ElementTree.Element], file: str, name_part: str = "") -> list[ElementTree.Element]:
@@ -272,76 +301,35 @@ def ran(cases: list[ElementTree.Element], file: str, name_part: str = "") -> lis
 def test_the_committed_patch_is_what_the_script_builds_from_the_tuner_today(upstream_patch, peft_release):
     built = upstream_patch.build_patch(peft_release)
     assert upstream_patch.PATCH.read_text() == built, "stale: run `python benchmarks/upstream_patch.py`"
-    series = upstream_patch.build_series(peft_release)
-    assert sorted(path.name for path in upstream_patch.SERIES_DIR.glob("*.patch")) == sorted(series)
-    for name, text in series.items():
-        assert (upstream_patch.SERIES_DIR / name).read_text() == text, f"stale {name}: run the script"
 
 
-def series_tree(upstream_patch, release: Path, scratch: Path, stage: int) -> Path:
-    """A clean copy of the source release with the series' patches up to `stage` applied in order by `patch -p1`
-    (the toctree hunk aside: the source release does not ship peft's docs)."""
-    root = extracted(release, scratch)
-    for name in upstream_patch.series_names()[: stage + 1]:
-        text = (upstream_patch.SERIES_DIR / name).read_text()
-        sections = re.split(r"(?m)^(?=diff --git )", text)
-        apply_patch(root, "".join(section for section in sections if upstream_patch.TOCTREE not in section[:80]))
-    return root
+def test_the_patch_copies_every_tuner_file_and_names_nothing_of_this_project(upstream_patch):
+    """The tuner folder goes in as it is: each of its modules is a file of the patch, and no added line of the tuner
+    names this project's files or the plugin (peft has neither)."""
+    patch = upstream_patch.PATCH.read_text()
+    copied = set(re.findall(rf"(?m)^\+\+\+ b/{upstream_patch.TUNER_DIR}/(\w+\.py)$", patch))
+    assert copied == {path.name for path in upstream_patch.TUNER.glob("*.py")}
+    assert upstream_patch.project_references(patch) == []
 
 
-def tree_files(root: Path) -> dict[str, bytes]:
-    return {path.relative_to(root).as_posix(): path.read_bytes() for path in root.rglob("*") if path.is_file()}
-
-
-def test_the_series_applied_in_order_gives_the_tree_the_whole_patch_gives(
-    upstream_patch, peft_release, patched_tree, tmp_path
-):
-    last = len(upstream_patch.SERIES) - 1
-    assert last == 5, "the parametrization below runs the patches before the last: change its range"
-    assert tree_files(series_tree(upstream_patch, peft_release, tmp_path, last)) == tree_files(patched_tree)
-
-
-@pytest.mark.parametrize("stage", range(5), ids=lambda stage: f"after-000{stage + 1}")
-def test_peft_s_tests_pass_after_each_patch_of_the_series(upstream_patch, peft_release, hub, tmp_path, stage):
-    """Each patch, applied after those before it, passes peft's tests for NeuroAda with the plugin absent: its own
-    tests run, and no later patch's (the whole series runs in `peft_run`, the Hub-model files on all models too)."""
-    tree = series_tree(upstream_patch, peft_release, tmp_path / "tree", stage)
-    run = run_peft_tests(tree, tmp_path, hub, RUN_FILES)
-    assert run["process"]["plugin_imported"] is False
-    assert not [case for case in run["cases"] if case.find("failure") is not None or case.find("error") is not None]
-    own = [c.get("classname").rpartition(".")[2] for c in ran(run["cases"], "tests/test_neuroada.py")]
-    for number, stage_of in enumerate(upstream_patch.SERIES):
-        for name in (test for test in stage_of.tests if test.startswith("Test")):
-            assert (name in own) == (number <= stage), (name, stage)
-    mixed = ran(run["cases"], RUN_FILES[0], "[NeuroAda mixed adapter-")
-    assert bool(mixed) == (stage >= [s.slug for s in upstream_patch.SERIES].index("mixed-batches"))
-
-
-def test_the_core_keeps_its_rules(upstream_patch, peft_release):
-    """The first patch's tuner: at most 4 BaseTuner overrides beyond `_create_and_replace`, no private name of
-    torch's module hooks (global or a module's own) or of accelerate's hooks, and no later patch's file or class (its
-    size is measured into docs/upstream.md)."""
-    core = upstream_patch.peft_style(upstream_patch.tuner_files(0))
-    assert len([name for name in upstream_patch.stage_overrides(0) if name != "_create_and_replace"]) <= 4
-    later = {name for stage in upstream_patch.SERIES[1:] for name in (*stage.classes, *stage.definitions)}
-    for path, text in core.items():
-        assert not re.search(r"_global_\w+_hooks|\._(forward|backward)(_pre)?_hooks|_hf_hook|AlignDevicesHook", text)
-        assert not [name for name in later if re.search(rf"\b{name}\b", text)], path
-    files = {path.rsplit("/", 1)[1] for path in core}
-    assert not files & {file for stage in upstream_patch.SERIES[1:] for file in stage.files}
-
-
-def test_every_python_file_the_patch_touches_passes_peft_s_lint_and_format(upstream_patch, patched_tree):
-    files = sorted(set(re.findall(r"(?m)^\+\+\+ b/(\S+\.py)$", upstream_patch.PATCH.read_text())))
-    assert len(files) >= 15
-    for command in (["check", *upstream_patch.PEFT_LINT], ["format", "--check"]):
-        run = subprocess.run(
-            [sys.executable, "-m", "ruff", *command, *upstream_patch.RUFF_SETTINGS, *files],
-            capture_output=True,
-            text=True,
-            cwd=patched_tree,
-        )
+def test_the_patched_tree_passes_peft_s_make_quality(upstream_patch, peft_release, patched_tree):
+    """`make quality` in the patched tree, whose pyproject.toml is peft's own: `ruff check` and `ruff format --check`
+    on src, tests, examples, docs and scripts (those the tree has) with the ruff version peft's setup.py pins, and
+    `doc-builder style src/peft tests docs/source --max_len 119 --check_only`: every file the patch adds or changes
+    among those peft checks."""
+    release = upstream_patch.Release(peft_release)
+    assert upstream_patch.quality_pin(release, "ruff") == "0.16.4"  # peft 0.22.0's: a new pin, a new look at this
+    folders = [folder for folder in upstream_patch.QUALITY_DIRS if (patched_tree / folder).is_dir()]
+    assert {"src", "tests", "examples", "docs"} <= set(folders)
+    changed = set(re.findall(r"(?m)^\+\+\+ b/(\S+\.py)$", upstream_patch.PATCH.read_text()))
+    assert len(changed) >= 20 and all(path.split("/")[0] in folders for path in changed)
+    version = upstream_patch.ruff(release, ["--version"], patched_tree)
+    assert version.stdout.split() == ["ruff", "0.16.4"], version.stdout + version.stderr
+    for command in (["check", *folders], ["format", "--check", *folders]):
+        run = upstream_patch.ruff(release, command, patched_tree)
         assert run.returncode == 0, run.stdout + run.stderr
+    run = upstream_patch.doc_style(release, ["src/peft", "tests", "docs/source", "--check_only"], patched_tree)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_peft_s_tests_pass_for_neuroada_in_peft_s_tree_with_the_plugin_absent(peft_run, patched_tree):
@@ -403,6 +391,36 @@ def test_every_model_peft_tests_on_default_targets_has_neuroada_defaults(upstrea
 def test_every_model_the_hub_model_tests_list_has_a_local_stand_in(patched_tree):
     listed = {model_id for file in HUB_FILES for model_id in models_tested(patched_tree / file)}
     assert listed == STAND_INS.keys()
+    loaders = re.findall(r'(?m)^    model_id = "(\S+)"$', (patched_tree / QUANTIZATION_FILE).read_text())
+    assert set(loaders) == {QUANTIZED_MODEL, "marcsun13/opt-350m-gptq-4bit"}  # GPTQ's runs with gptqmodel only
+
+
+def backends_installed() -> set[str]:
+    """The `CPU_BACKENDS` whose package this process has (peft's test file lists only those)."""
+    from importlib.util import find_spec
+
+    return {
+        backend
+        for backend in CPU_BACKENDS
+        if find_spec("bitsandbytes" if backend.startswith("bnb") else "torchao") is not None
+    }
+
+
+def test_quantization_cases_run_for_neuroada_on_every_cpu_backend_installed(peft_run):
+    """test_quantization.py's NeuroAda row: all four tests on each backend the process has, but those peft skips (no
+    merge test for bitsandbytes' 4-bit on the CPU)."""
+    cases = of_file(peft_run["cases"], QUANTIZATION_FILE)
+    backends = {case.get("name").rsplit("-", 1)[1].rstrip("]") for case in cases}
+    assert backends == backends_installed()
+    for backend in backends:
+        tests = {case.get("name").split("[")[0] for case in ran(cases, QUANTIZATION_FILE, f"-{backend}]")}
+        expected = {
+            "test_quantization_backend_is_set_and_repr",
+            "test_forward_changes_output",
+            "test_quantized_output_similar_to_non_quantized",
+            "test_merge_unmerge_unload",
+        }
+        assert tests == expected - ({"test_merge_unmerge_unload"} if backend == "bnb_4bit" else set()), backend
 
 
 @pytest.mark.parametrize("model_id", SERVED)

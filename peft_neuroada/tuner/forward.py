@@ -227,5 +227,6 @@ def add_bypasses(
 
 def placement_of(layer, adapter_name: str) -> Placement:
     """Where an adapter's deltas sit in `layer`, read from its index buffers (the layers' plain `placements`)."""
-    rows = layer.neuroada_rows[adapter_name] if adapter_name in layer.neuroada_rows else None
+    held = layer.neuroada_rows
+    rows = held[adapter_name] if adapter_name in held else None  # noqa: SIM401 (a BufferDict has no get)
     return Placement(layer.neuroada_indices[adapter_name], rows).prepared()
