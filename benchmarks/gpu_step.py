@@ -48,10 +48,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from peft_neuroada import NeuroAdaConfig
+from peft_neuroada import NeuroAdaConfig, merged_copy
 from peft_neuroada.accel import sparse_products
 from peft_neuroada.budget import lora_rank_for_k
-from peft_neuroada.tuner import forward, merged_copy
+from peft_neuroada.tuner import forward
 from peft_neuroada.tuner.forward import Placement
 from peft_neuroada.tuner.layer import NeuroAdaLayer
 from peft_neuroada.tuner.selection import select_inputs
@@ -244,7 +244,7 @@ def _part_calls(weight: torch.Tensor, placement: Placement, x: torch.Tensor, gra
     return {
         "forward GEMM": lambda: F.linear(x, weight),
         "input-gradient GEMM": lambda: grad @ weight,
-        "merged copy": lambda: merged_copy.merged_copy(weight, [placement], [deltas]),
+        "merged copy": lambda: forward.merged_copy(weight, [placement], [deltas]),
         "gathered deltas' gradient": lambda: forward.sampled_grad(x, grad, placement.cols, None),
         "token-major x": lambda: sparse_products.token_major(x),
         "token-major gradient": lambda: sparse_products.token_major(grad),

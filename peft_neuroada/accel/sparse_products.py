@@ -2,7 +2,7 @@
 (docs/performance.md): the deltas' gradient as k passes of gathers for small k, else torch's sampled product (SDDMM);
 the bypass's `(P ⊙ Θ) x` as one gather for few (token, delta) pairs (decoding), else CSR times dense; its input
 gradient as CSC times dense. On other devices, under `torch.compile` and for `transformed` operands: the tuner's.
-The plugin's layers use them by default (`PluginLayer.kernels`)."""
+The plugin's layers use them by default (`layers.KERNELS`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """NeuroAda's own behaviour, beyond peft's generic tuner tests: which inputs each neuron tunes, merges that unmerge
-bit for bit, how the indices are stored and reloaded, the merged-copy path, MoE experts reached through
-`target_parameters`, mixed batches, offloading and quantized merges, and the guards on loaded indices. Every model is
-built here from a config, so nothing needs the Hub."""
+bit for bit, how the indices are stored and reloaded, the deltas' gradient, `neuroada_dropout`, MoE experts reached
+through `target_parameters`, mixed batches, offloading and quantized merges. Every model is built here from a config,
+so nothing needs the Hub."""
 
 import pytest
 import torch
@@ -139,18 +139,7 @@ class TestNeuroAdaIndexStorage:
         assert torch.equal(delta.cpu(), reloaded.cpu())
 
 
-class TestNeuroAdaMergedCopy:
-    def test_the_copy_and_the_bypass_compute_what_the_merged_layer_computes_in_bf16(self):
-        model = neuroada_mlp(MLP(dtype=torch.bfloat16), k=3)
-        x = torch.randn(64, 16, dtype=torch.bfloat16, device=torch_device)
-        copied = model(x)  # with gradients: one matmul on the merged copy
-        with torch.no_grad():
-            bypassed = model(x[:4])  # few tokens without gradients: the base layer's output plus the deltas'
-            model.merge_adapter()
-            merged = model(x)
-        assert torch.equal(copied.detach(), merged)
-        assert torch.allclose(bypassed.float(), merged[:4].float(), atol=2e-2)
-
+class TestNeuroAdaGradients:
     def test_the_deltas_get_the_dense_weight_gradient_at_their_entries(self):
         model = neuroada_mlp(k=3)
         layer = model.base_model.model.lin0
@@ -163,6 +152,27 @@ class TestNeuroAdaMergedCopy:
         entries = tuned_entries(model).to(weight.device)
         expected = weight.grad[entries].view(-1, 3)
         assert torch.allclose(layer.neuroada_delta["default"].grad, expected, atol=1e-5)
+
+
+class TestNeuroAdaDropout:
+    def test_in_training_only_the_deltas_read_the_dropped_input(self):
+        model = neuroada_mlp(k=3, neuroada_dropout=0.5)
+        layer = model.base_model.model.lin0
+        x = torch.randn(8, 16, device=torch_device)
+        torch.manual_seed(0)
+        out = layer(x)
+        torch.manual_seed(0)
+        dropped = nn.functional.dropout(x, 0.5, training=True)
+        base = layer.get_base_layer()
+        expected = base(x) + nn.functional.linear(dropped, layer.get_delta_weight("default"))
+        assert torch.allclose(out, expected, atol=1e-5)
+
+    def test_out_of_training_nothing_is_dropped(self):
+        model = neuroada_mlp(k=3, neuroada_dropout=0.5).eval()
+        x = torch.randn(8, 16, device=torch_device)
+        unmerged = model(x)
+        model.merge_adapter()
+        assert torch.allclose(model(x), unmerged, atol=1e-5)
 
 
 def tiny_moe() -> Qwen3MoeForCausalLM:
@@ -255,39 +265,3 @@ class TestNeuroAdaOffload:
         assert torch.allclose(model(input_ids=input_ids).logits, adapted, atol=0.1)
         model.unmerge_adapter()
         assert torch.equal(layer.get_base_layer().weight.detach(), stored)
-
-
-def with_column(model, adapter_name: str, column: int) -> dict[str, torch.Tensor]:
-    """The model's state dict with neuron 0's first saved column of `lin0` set to `column`."""
-    layer = model.base_model.model.lin0
-    cols = layer.placement(adapter_name).cols.clone()
-    cols[0, 0] = column
-    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    state[f"base_model.model.lin0.neuroada_indices.{adapter_name}"] = cols.to(torch.int32)
-    return state
-
-
-class TestNeuroAdaIndexGuards:
-    @pytest.mark.parametrize(
-        ("column", "message"), [(16 + 3, "has only 16 inputs"), (-1, r"range over \[-1"), (None, "twice")]
-    )
-    def test_bad_columns_in_a_state_dict_are_refused_before_anything_loads(self, column, message):
-        model = neuroada_mlp(k=2)
-        layer = model.base_model.model.lin0
-        column = int(layer.placement("default").cols[0, 1]) if column is None else column
-        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-        with pytest.raises(ValueError, match=message):
-            model.load_state_dict(with_column(model, "default", column))
-        assert bit_equal(model.state_dict(), before)
-
-    def test_a_merge_refuses_columns_written_since_and_writes_nothing(self):
-        model = neuroada_mlp(k=2)
-        layer = model.base_model.model.lin0
-        with torch.no_grad():
-            layer.neuroada_indices["default"].copy_(
-                with_column(model, "default", 16 + 3)["base_model.model.lin0.neuroada_indices.default"]
-            )
-        original = weights(model)
-        with pytest.raises(ValueError, match="Nothing was written"):
-            model.merge_adapter()
-        assert bit_equal(weights(model), original)
