@@ -54,12 +54,7 @@ class QuantizedWeight:
     @classmethod
     def of(cls, layer: NeuroAdaLayer) -> QuantizedWeight | None:
         """The view of `layer`'s base (None for a float weight, or torchao without its config)."""
-        try:
-            backend = resolve_quantization_backend(
-                layer.get_base_layer(), get_apply_tensor_subclass=layer.get_apply_tensor_subclass
-            )
-        except ValueError:
-            return None
+        backend = layer.quantization_backend or layer.resolved_backend()
         return None if backend is None else cls(layer, backend)
 
     def __getitem__(self, index: slice | torch.Tensor) -> torch.Tensor:
@@ -125,6 +120,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
         self._quantized_originals: dict[str, Callable[[], None]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
+        self.quantization_backend = self.resolved_backend()  # peft's, which get/set_base_weight go through
         for name in self.COMPONENTS:
             if kwargs.get(name) is not None:
                 setattr(self, name, kwargs[name])
@@ -132,6 +128,15 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.merged_adapters = []
         self.layer_name = ""  # the module's name in the model, for messages (set by update_layer)
         self.in_features, self.out_features = self.in_out_features()
+
+    def resolved_backend(self) -> Any:
+        """peft's quantization backend for the base layer (None: a float weight, or torchao without its config)."""
+        try:
+            return resolve_quantization_backend(
+                self.get_base_layer(), get_apply_tensor_subclass=self.get_apply_tensor_subclass
+            )
+        except ValueError:
+            return None
 
     def in_out_features(self) -> tuple[int, int]:
         """d_in and d_out of the frozen weight (every neuron a row)."""
