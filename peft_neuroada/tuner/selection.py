@@ -29,7 +29,8 @@ def _magnitude(block: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return block.abs()
 
 
-# The strategies by name: the config, the layers and the model all read this table (add a row to add one).
+# The strategies by name: the config, the layers and the model all read this table (add a row to add one). A score
+# sees a block of rows of the weight at a time (`rows_per_block`), the tuned rows only when `neuron_fraction` < 1.
 STRATEGIES: dict[str, Strategy] = {
     "magnitude": Strategy(_magnitude),  # the paper's
     "reverse": Strategy(lambda block, generator: block.abs().neg_()),  # the smallest |w| (an ablation)
