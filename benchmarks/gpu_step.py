@@ -183,7 +183,7 @@ def layer_variants(weight: torch.Tensor, k: int, device: torch.device) -> dict:
 
 def compacted_layers(model: nn.Module) -> int:
     """How many NeuroAda layers keep only the input columns their deltas read (the plugin's placement cache)."""
-    kept = [vars(m).get("_placements", {}).values() for m in model.modules() if isinstance(m, NeuroAdaLayer)]
+    kept = [getattr(m.placements, "kept", {}).values() for m in model.modules() if isinstance(m, NeuroAdaLayer)]
     return sum(any(entry[3].read is not None for entry in entries) for entries in kept)
 
 

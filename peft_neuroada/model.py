@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+from peft.utils.other import ModulesToSaveWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from transformers.pytorch_utils import Conv1D
@@ -40,7 +40,6 @@ from .tuner import model as tuner_model
 from .tuner.config import LLAMA_STYLE_TARGETS
 from .tuner.experts import ParamWrapper, expert_projections
 from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
-from .tuner.model import names_handed_to
 
 # Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -252,17 +251,12 @@ class NeuroAdaPluginModel(tuner_model.NeuroAdaModel):
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """Mixed-batch inference (`adapter_names=[...]` in forward/generate) the way peft's LoRA offers it.
-
-        NeuroAda layers read the names from a context variable, so concurrent calls in other threads are unaffected;
-        peft's `modules_to_save` wrappers get them through forward pre-hooks, as with LoRA.
-        """
-        mixed = self._mixed_batch(kwargs.pop("adapter_names", None), kwargs.get("num_beams"))
-        if mixed is None:
-            yield
-            return
-        wrappers = [module for module in self.model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
-        with names_handed_to(wrappers, mixed), layers.serving(mixed):
+        """The tuner's mixed batches (`adapter_names=[...]` in forward/generate), with the batch this thread serves
+        made known to the plugin's layers (their `mixed_batch_names` component reads it from a context variable), so
+        concurrent calls in other threads are unaffected; peft's `modules_to_save` wrappers get the names through
+        forward pre-hooks, as with LoRA."""
+        mixed = self._mixed_batch(kwargs.get("adapter_names"), kwargs.get("num_beams"))
+        with super()._enable_peft_forward_hooks(*args, **kwargs), layers.serving(mixed) if mixed else nullcontext():
             yield
 
 

@@ -68,3 +68,26 @@ def test_a_layer_has_one_forward_to_read():
     for name in ("plugin Linear", "ParamWrapper"):
         defining = [cls for cls in _built_classes()[name].__mro__ if "forward" in vars(cls)]
         assert defining[1:] == [torch.nn.Module], f"{name}: forward defined by {defining}"
+
+
+def test_every_plugin_method_that_overrides_the_tuner_s_calls_it():
+    """No tuner method the plugin makes unreachable: an override extends the tuner's through super()."""
+    import inspect
+
+    from peft_neuroada.tuner.layer import NeuroAdaLayer
+
+    unreachable = []
+    for name in ("plugin Linear", "model", "config"):
+        cls = _built_classes()[name]
+        tuner_bases = [base for base in cls.__mro__[1:] if base.__module__.startswith("peft_neuroada.tuner")]
+        for method, member in vars(cls).items():
+            function = getattr(member, "__func__", member)
+            replaced = method in NeuroAdaLayer.COMPONENTS  # components are replaced by design
+            if inspect.isfunction(function) and not replaced and any(method in vars(base) for base in tuner_bases):
+                try:
+                    source = inspect.getsource(function)
+                except OSError:  # written by @dataclass (its __init__, __eq__): no source, and nothing of ours
+                    continue
+                if "super()" not in source:
+                    unreachable.append(f"{cls.__name__}.{method}")
+    assert not unreachable

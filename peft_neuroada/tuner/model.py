@@ -194,7 +194,12 @@ class NeuroAdaModel(BaseTuner):
         if mixed is None:
             yield
             return
-        receivers = [m for m in self.model.modules() if isinstance(m, (Linear, AuxiliaryTrainingWrapper))]
+        # (a layer given a `mixed_batch_names` component reads the names itself)
+        receivers = [
+            m
+            for m in self.model.modules()
+            if isinstance(m, AuxiliaryTrainingWrapper) or (isinstance(m, Linear) and m.mixed_batch_names is None)
+        ]
         with names_handed_to(receivers, mixed):
             yield
 
