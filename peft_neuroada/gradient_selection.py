@@ -23,8 +23,8 @@ LossOf = Callable[[nn.Module, Batch], torch.Tensor]
 # selection="gradient": inputs chosen by magnitude when the adapter is made, until `select_by_gradient` re-selects.
 STRATEGIES["gradient"] = Strategy(
     STRATEGIES["magnitude"].score,
-    then=f"call {__name__}.select_by_gradient(model, calibration_batches) before training: until then, inputs are "
-    "chosen by magnitude",
+    then=f"inputs are chosen by magnitude until you call {__name__}.select_by_gradient(model, calibration_batches) "
+    "before training",
 )
 
 

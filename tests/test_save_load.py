@@ -431,7 +431,7 @@ model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("base"), 
 print(type(model.base_model).__name__, "peft_neuroada" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, capture_output=True, text=True)
-    assert done.stdout.split() == ["NeuroAdaModel", "True"]
+    assert done.stdout.split() == ["NeuroAdaPluginModel", "True"]
 
 
 @pytest.mark.parametrize("low_cpu_mem_usage", [False, True])

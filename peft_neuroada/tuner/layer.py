@@ -239,11 +239,9 @@ class NeuroAdaLayer(BaseTunerLayer):
         return torch.inference_mode() if weight.is_inference() else torch.no_grad()
 
     def check_mergeable(self, adapter_names: list[str] | None = None) -> None:
-        """Refuse a merge before anything changes: a weight not in memory, a quantized one peft cannot quantize again,
-        and whatever the `merge_check` component refuses."""
+        """Refuse a merge before anything changes: a quantized weight peft cannot quantize again, and whatever the
+        `merge_check` component refuses."""
         quantized = self.quantized()
-        if quantized is None and self.weight_out_in().is_meta:
-            raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         if quantized is not None and (reason := quantized.merge_refusal()):
             name = self.layer_name or "this layer"
             raise ValueError(f"Cannot merge NeuroAda deltas into '{name}': {reason}. {FULL_PRECISION_HINT}")
@@ -415,6 +413,8 @@ class Linear(nn.Module, NeuroAdaLayer):
         if not names:
             return
         self.check_mergeable(names)
+        if self.quantized() is None and self.weight_out_in().is_meta:  # (offloaded: `onload_layer` brings it back)
+            raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
         merged_before = len(self.merged_adapters)
         try:
             with self._weight_writes(self.weight_out_in()):
