@@ -465,49 +465,48 @@ def quality_pin(release: Release, name: str) -> str:
     return pinned[1]
 
 
-def pinned_ruff(release: Release) -> Path:
-    """The ruff executable at the version peft's setup.py pins, installed once (`pip install --target`) into the
-    project cache."""
-    from peft_neuroada.cache import cache_root
-
-    version = quality_pin(release, "ruff")
-    folder = cache_root() / "peft-quality" / f"ruff-{version}"
-    executable = folder / "bin" / "ruff"
-    if not executable.exists():
+def installed_once(folder: Path, requirements: list[str], what: str) -> Path:
+    """`folder`, holding `requirements` installed by `pip install --target` (once: a finished install is renamed into
+    place, so a concurrent one leaves it whole)."""
+    if not folder.exists():
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(staging), f"ruff=={version}"]
+        command = [sys.executable, "-m", "pip", "install", "--target", str(staging), *requirements]
         installed = subprocess.run(command, capture_output=True, text=True)
         if installed.returncode != 0:
-            raise FileNotFoundError(f"ruff {version}, which peft pins: {installed.stderr[-500:]}")
+            raise FileNotFoundError(f"{what}: {installed.stderr[-500:]}")
         try:
             staging.rename(folder)
         except OSError:  # another process installed it first
             shutil.rmtree(staging, ignore_errors=True)
-    return executable
+    return folder
+
+
+def pinned_ruff(release: Release) -> Path:
+    """The ruff executable at the version peft's setup.py pins, installed once into the project cache."""
+    from peft_neuroada.cache import cache_root
+
+    version = quality_pin(release, "ruff")
+    folder = cache_root() / "peft-quality" / f"ruff-{version}"
+    return (
+        installed_once(folder, ["--no-deps", f"ruff=={version}"], f"ruff {version}, which peft pins") / "bin" / "ruff"
+    )
 
 
 def doc_builder(release: Release) -> tuple[list[str], dict[str, str]]:
     """The `doc-builder` command of peft's `make style` and `make quality` (hf-doc-builder and black, which peft's
-    setup.py lists in `extras["quality"]` unpinned), installed once with their dependencies (`pip install --target`)
-    into the project cache; with the environment it runs in."""
+    setup.py lists in `extras["quality"]` unpinned), installed once with their dependencies into the project cache;
+    with the environment it runs in."""
     from peft_neuroada.cache import cache_root
 
     for name in ("hf-doc-builder", "black"):
         if not re.search(rf'"{name}"', release.files["setup.py"]):
             raise ValueError(f"peft's setup.py no longer lists {name}: see how its `make quality` runs doc-builder")
-    folder = cache_root() / "peft-quality" / "doc-builder"
-    if not (folder / "bin" / "doc-builder").exists():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-        command = [sys.executable, "-m", "pip", "install", "--target", str(staging), "hf-doc-builder", "black"]
-        installed = subprocess.run(command, capture_output=True, text=True)
-        if installed.returncode != 0:
-            raise FileNotFoundError(f"hf-doc-builder, which peft's make quality runs: {installed.stderr[-500:]}")
-        try:
-            staging.rename(folder)
-        except OSError:  # another process installed it first
-            shutil.rmtree(staging, ignore_errors=True)
+    folder = installed_once(
+        cache_root() / "peft-quality" / "doc-builder",
+        ["hf-doc-builder", "black"],
+        "hf-doc-builder, which peft's make quality runs",
+    )
     return [sys.executable, str(folder / "bin" / "doc-builder")], {**os.environ, "PYTHONPATH": str(folder)}
 
 
