@@ -162,7 +162,7 @@ def test_training_with_biases_lowers_the_loss_and_merge_unmerge_restore_the_weig
 
 def test_a_second_adapter_training_biases_is_refused_by_peft_and_not_half_added():
     model = get_peft_model(tiny_bert(), NeuroAdaConfig(k=2, bias="all"))
-    with pytest.raises(ValueError, match="NeuroAdaModel supports only 1 adapter with bias"):
+    with pytest.raises(ValueError, match="NeuroAdaPluginModel supports only 1 adapter with bias"):
         model.add_adapter("other", NeuroAdaConfig(k=2, bias="neuroada_only"))
     assert "other" not in model.peft_config
     assert all("other" not in layer.neuroada_delta for layer in neuroada_layers(model))

@@ -144,7 +144,7 @@ def test_a_second_adapter_with_trained_biases_is_refused_as_lora_refuses_it():
         model = get_peft_model(tiny_llama(), config(bias="all"), adapter_name="one")
         with pytest.raises(ValueError) as refused:
             model.add_adapter("two", config(bias="all"))
-        return str(refused.value).replace("NeuroAdaModel", "LoraModel")
+        return str(refused.value).replace("NeuroAdaPluginModel", "LoraModel")
 
     same(case)
 
