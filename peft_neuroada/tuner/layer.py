@@ -370,7 +370,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             if self.merged_forward is not None and not any(_drops(dropout) for dropout in dropouts):
                 return self.merged_forward(self, x, placements, deltas, *args, **kwargs)
             result = self.base_layer(x, *args, **kwargs)
-            inputs = [dropout(x) for dropout in dropouts]
+            inputs = [dropout(x) if _drops(dropout) else x for dropout in dropouts]
             return forward.add_bypasses(result, inputs, placements, deltas, self.kernels, self._frozen())
 
     def _frozen(self) -> list[torch.Tensor]:
