@@ -34,12 +34,12 @@ from .peft_compat import (
     unmerge_all_or_nothing,
     without_wrapper_names,
 )
-from .quantized import torchao_config_of, unreadable_quantized_weight, unreadable_weight, unsupported_quantization
+from .quantized import torchao_config_of, unreadable_quantized_weight, unsupported_quantization
 from .targets import targeted_modules, targeted_parameters
 from .tuner import model as tuner_model
 from .tuner.config import LLAMA_STYLE_TARGETS
 from .tuner.experts import ParamWrapper, expert_projections
-from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer
+from .tuner.layer import LOAD_WEIGHTS_HINT, NeuroAdaLayer, unreadable_weight
 
 # Projections fused into one layer: their rows are the parts' neurons, so per-row selection applies unchanged.
 FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

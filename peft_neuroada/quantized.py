@@ -9,7 +9,6 @@ import re
 from typing import Any, NamedTuple
 
 import torch
-from accelerate.hooks import AlignDevicesHook
 from peft.utils.quantization_utils import Bnb4bitBackend, Bnb8bitBackend, QuantizationBackend, TorchaoBackend
 from torch import nn
 
@@ -317,11 +316,3 @@ def torchao_config_of(model: nn.Module) -> Any:
     config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
     get_config = getattr(config, "get_apply_tensor_subclass", None)
     return get_config() if callable(get_config) else None
-
-
-def unreadable_weight(base: nn.Module) -> str | None:
-    """Why the values of `base`'s weight cannot be read to select inputs (None: they can)."""
-    hook = getattr(base, "_hf_hook", None)
-    if isinstance(hook, AlignDevicesHook) and hook.offload:
-        return "it is offloaded by accelerate"
-    return "it is on the meta device (offloaded or not loaded)" if base.weight.is_meta else None

@@ -39,6 +39,14 @@ FULL_PRECISION_HINT = (
 )
 
 
+def unreadable_weight(base: nn.Module) -> str | None:
+    """Why the values of `base`'s weight cannot be read to select inputs (None: they can)."""
+    hook = getattr(base, "_hf_hook", None)
+    if isinstance(hook, AlignDevicesHook) and hook.offload:
+        return "it is offloaded by accelerate"
+    return "it is on the meta device (offloaded or not loaded)" if base.weight.is_meta else None
+
+
 class QuantizedWeight:
     """A quantized base layer seen as its dequantized (d_out, d_in) float32 weight, through peft's backend
     (`get_base_weight`); `replace` quantizes a merged weight again (`set_base_weight`), `snapshot` puts it back."""
@@ -153,12 +161,9 @@ class NeuroAdaLayer(BaseTunerLayer):
 
     def unreadable(self) -> str | None:
         """Why the frozen weight's values cannot be read to select inputs (None: they can)."""
-        hook = getattr(self.get_base_layer(), "_hf_hook", None)
-        if isinstance(hook, AlignDevicesHook) and hook.offload:
-            return "it is offloaded by accelerate"
         if self._quantized_originals:
             return "adapters are merged into it"
-        return "it is on the meta device (offloaded or not loaded)" if self.weight_out_in().is_meta else None
+        return unreadable_weight(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
         """The (d_out, d_in) weight without merged adapters (a copy while some are): selection reads base weights."""
