@@ -45,6 +45,7 @@ TUNER = REPO_ROOT / "peft_neuroada" / "tuner"
 PR_FILES = REPO_ROOT / "docs" / "upstream" / "pr"
 PATCH = REPO_ROOT / "docs" / "upstream" / "neuroada.patch"
 UPSTREAM_DOC = REPO_ROOT / "docs" / "upstream.md"
+DESIGN_DOC = REPO_ROOT / "docs" / "design.md"
 ISSUE_DOC = REPO_ROOT / "docs" / "upstream" / "issue.md"
 # The alternative pull request (Super-Tuning's per-neuron mode): one patch, or the series that replaces it.
 ALTERNATIVE_SERIES = REPO_ROOT / "docs" / "upstream" / "supertuning"
@@ -709,7 +710,30 @@ def count_texts(patch: str, release: Release) -> dict[str, str]:
             + f". Counted the same way, peft {TARGET_PEFT}'s {', '.join(peers)}."
         ),
         "sizes": sizes_text(counts),
+        "tuner": tuner_sizes(),
     }
+
+
+def code_lines(source: str) -> int:
+    """Lines of `source` that are code: not blank, not a comment alone, not in a docstring."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and ast.get_docstring(node) is not None:
+            docstrings.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+    lines = source.splitlines()
+    alone = {number for number, line in enumerate(lines, 1) if line.strip().startswith("#")}
+    blank = {number for number, line in enumerate(lines, 1) if not line.strip()}
+    return len(lines) - len(docstrings | alone | blank)
+
+
+def tuner_sizes() -> str:
+    """The tuner's files by lines, in all and of code (`code_lines`), as docs/design.md shows them."""
+    rows = [(path.name, path.read_text()) for path in sorted(TUNER.glob("*.py"))]
+    sizes = [(name, len(text.splitlines()), code_lines(text)) for name, text in rows]
+    table = ["| file | lines | of code |", "|---|---:|---:|"]
+    table += [f"| `{name}` | {lines:,} | {code:,} |" for name, lines, code in sizes]
+    table.append(f"| the tuner | {sum(s[1] for s in sizes):,} | {sum(s[2] for s in sizes):,} |")
+    return "\n".join(table)
 
 
 def alternative_patches() -> list[Path]:
@@ -744,7 +768,8 @@ def with_counts(doc: str, patch: str, release: Release) -> str:
             continue
         if len(pattern.findall(doc)) != 1:
             raise ValueError(f"a page marks counts:{name} more than once")
-        text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
+        if not text.startswith("|"):  # (a table stays as it is)
+            text = textwrap.fill(text, width=119, break_long_words=False, break_on_hyphens=False)
         doc = pattern.sub(lambda match, text=text: match[1] + text + "\n" + match[2], doc)
     return doc
 
@@ -775,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     patch = build_patch(release)
     sources = Release(release)
     wanted = {PATCH: patch}
-    wanted |= {page: with_counts(page.read_text(), patch, sources) for page in (UPSTREAM_DOC, ISSUE_DOC)}
+    pages = (UPSTREAM_DOC, ISSUE_DOC, DESIGN_DOC)
+    wanted |= {page: with_counts(page.read_text(), patch, sources) for page in pages}
     if args.check:
         stale = [path for path, text in wanted.items() if not (path.exists() and path.read_text() == text)]
         for path in wanted:

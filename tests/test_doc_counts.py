@@ -1,6 +1,7 @@
 """Counts that describe code are written by the script that builds the patch, or checked by a spec, so that no page
-states a stale one: docs/upstream.md's marked blocks (the patch's lines and files, the tuner model's overrides) are
-what benchmarks/upstream_patch.py writes for the committed patch, and no other page repeats those counts. (Whether the
+states a stale one: docs/upstream.md's marked blocks (the patch's lines and files, the tuner model's overrides) and
+docs/design.md's (the tuner's size) are what benchmarks/upstream_patch.py writes for the committed patch and tuner, and
+no other page repeats the patch's counts. (Whether the
 committed patch is today's, and the counts of peft's test cases, are tests/test_peft_upstream_suite.py's.)"""
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ REPEATED_COUNTS = r"\b\d[\d,]* added lines|\b\d+ (?:BaseTuner )?overrides|\b\d[\
 
 def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstream_patch, peft_release):
     release = upstream_patch.Release(peft_release)
-    for page in (UPSTREAM_DOC, upstream_patch.ISSUE_DOC):
+    for page in (UPSTREAM_DOC, upstream_patch.ISSUE_DOC, upstream_patch.DESIGN_DOC):
         doc = page.read_text()
         assert upstream_patch.with_counts(doc, upstream_patch.PATCH.read_text(), release) == doc, (
             f"stale {page.name}: run `python benchmarks/upstream_patch.py`"
         )
     assert "<!-- counts:sizes -->" in upstream_patch.ISSUE_DOC.read_text()
+    assert "<!-- counts:tuner -->" in upstream_patch.DESIGN_DOC.read_text()
 
 
 def test_the_override_table_gives_a_reason_for_every_override(upstream_patch):

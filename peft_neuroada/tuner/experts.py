@@ -1,37 +1,31 @@
-"""NeuroAda on a parameter instead of a module, through `target_parameters` as with peft's LoRA: the 3-D expert
-weights of today's MoE models, (E, d_out, d_in) or (E, d_in, d_out) (`WEIGHT_LAYOUTS` and `is_transposed` tell which).
-
-The stack is E * d_out neurons over d_in inputs (neuron `e * d_out + i` is row i of expert e), each with its own k
-deltas. The experts' own forward (an eager loop, grouped_mm, ...) cannot be replaced, so it runs on `W + P ⊙ Θ`, one
-transient copy per forward through torch's parametrization (as LoRA's `ParamWrapper` makes `W + B A`), whose dense
-gradient `_AddedAtPlacements` samples at the placements. Merge and unmerge write the entries, bit for bit.
-The model wraps them in, and adapts the model's expert projections by default.
+"""NeuroAda on a parameter through `target_parameters`, as peft's LoRA: the 3-D expert weights of MoE models,
+(E, d_out, d_in) or (E, d_in, d_out) (`is_transposed` tells which), E * d_out neurons over d_in inputs (neuron
+`e * d_out + i` is row i of expert e). The experts' own forward (a loop, grouped_mm, ...) runs on a transient
+`W + P ⊙ Θ` made through torch's parametrization, as LoRA's `ParamWrapper` makes `W + B A`; its dense gradient is
+sampled at the placements (`_AddedAtPlacements`). Merge and unmerge write the entries, bit for bit.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .config import PREFIX, NeuroAdaConfig
 from .forward import Placement, entry_index, merged_copy, transformed, write_placed_
-from .layer import NeuroAdaLayer
+from .layer import Linear, NeuroAdaLayer
 
 # MoE experts' 3-D weights (transformers 5) that are projections of the paper's set, adapted by default.
 EXPERT_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
-# How a weight is held where the module carries no `is_transposed` flag of its own (transformers' experts classes made
-# with `use_experts_implementation` carry it: True for GPT-OSS, Aria and OpenAIPrivacyFilter, False for the 65
-# others in 5.24), by class name: "out_in" ((E,) d_out, d_in), read as F.linear(x, W[e]); "in_out" ((E,) d_in, d_out),
-# read as x @ W[e]; None: refused, with the reason. Other modules are refused, not guessed.
+# How a weight is held where the module has no `is_transposed` flag (transformers' `use_experts_implementation` classes
+# have it), by class name: "out_in" ((E,) d_out, d_in), read as F.linear(x, W[e]); "in_out" ((E,) d_in, d_out), read
+# as x @ W[e]; None: refused, with the reason. Other modules are refused, not guessed.
 WEIGHT_LAYOUTS: dict[str, str | None] = {
     "Linear": "out_in",  # torch's nn.Linear (and its subclasses): a layer's weight named as a parameter
     "Conv1D": "in_out",  # transformers' GPT-2 layer
@@ -45,8 +39,8 @@ WEIGHT_LAYOUTS: dict[str, str | None] = {
 
 
 def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = None) -> bool:
-    """Whether `param` of `module` is held (E,) d_in, d_out (its neurons are columns), by the module's own
-    `is_transposed` flag or WEIGHT_LAYOUTS; either layout reads as a valid weight of the other, so no guess."""
+    """Whether `param` is held (E,) d_in, d_out, by the module's `is_transposed` flag or WEIGHT_LAYOUTS: either
+    layout reads as a valid weight of the other, so nothing is guessed."""
     if param.dim() == 3 and hasattr(module, "is_transposed"):
         return bool(module.is_transposed)
     key = next((cls.__name__ for cls in type(module).__mro__ if cls.__name__ in WEIGHT_LAYOUTS), None)
@@ -70,10 +64,9 @@ def is_transposed(module: nn.Module, param: torch.Tensor, name: str | None = Non
 
 class ParamWrapper(nn.Module, NeuroAdaLayer):
     """NeuroAda on one parameter (`parameter_name`) of `base_layer`, a 3-D expert stack or a 2-D weight. Named as
-    LoRA's: peft finds a parameter's wrapper by this class name. Several parameters of a module nest one each."""
+    LoRA's, by which peft finds it; several parameters of a module nest one wrapper each."""
 
-    # One more component: what each call runs under (a wrapper changes the experts module for the call, so a
-    # layer serving several threads may be given a lock).
+    # One more component: what a call runs under (it changes the experts module for the call: a lock, say).
     call_guard: AbstractContextManager = nullcontext()
     COMPONENTS = (*NeuroAdaLayer.COMPONENTS, "call_guard")
 
@@ -113,7 +106,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         return shape[-1], shape[:-1].numel()
 
     def weight_out_in(self) -> torch.Tensor:
-        """The parameter as a (d_out, d_in) weight or an (E, d_out, d_in) stack of them (a view, never a copy)."""
+        """The parameter as a (d_out, d_in) weight or an (E, d_out, d_in) stack of them (a view)."""
         return self._oriented(self.get_param())
 
     def _transposed(self) -> bool:
@@ -163,32 +156,12 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
         with self.call_guard, self._deltas_added(active):
             return self.base_layer(x, *args, **kwargs)
 
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Write the deltas into the parameter's entries, keeping what they overwrite; all or nothing."""
-        names = [name for name in check_adapters_to_merge(self, adapter_names) if name in self.neuroada_delta]
-        if not names:
-            return
-        self.check_mergeable(names)
-        merged_before = len(self.merged_adapters)
-        try:
-            with self._weight_writes(self.weight_out_in()):
-                for name in names:
-                    self._merge_entries(name, safe_merge)
-        except BaseException:
-            self.unmerge_to(merged_before)
-            raise
-
-    def unmerge(self) -> None:
-        """Restore the exact original entries, most recently merged adapter first."""
-        if not self.merged:
-            return warnings.warn("Already unmerged. Nothing to do.", stacklevel=2)
-        self.unmerge_to(0)
+    merge, unmerge = Linear.merge, Linear.unmerge  # the entries of the parameter, as a linear layer's weight
 
     @contextmanager
     def _deltas_added(self, adapters: list[str]) -> Iterator[None]:
-        """Within the block the module reads its parameter as `W + Σ P ⊙ Θ`, made on first read so that backward
-        frees it right after the matmul that read it; the parameter is not written. As peft's LoRA `ParamWrapper`,
-        a wrapper serves one call at a time (the parametrization changes the experts module for the call)."""
+        """Within the block the module reads its parameter as `W + Σ P ⊙ Θ`, made on first read (backward frees it
+        after the matmul that read it); the parameter is not written. One call at a time, as LoRA's wrapper."""
         placements = tuple(self.placement(name) for name in adapters)
         deltas = tuple(self.neuroada_delta[name] for name in adapters)
         base, name = self.get_base_layer(), self.parameter_name
@@ -208,8 +181,7 @@ class ParamWrapper(nn.Module, NeuroAdaLayer):
 
 
 class _DeltasAdded(nn.Module):
-    """The parametrization: the parameter with the deltas added at their placements, in its dtype as a merge adds them
-    (the unmerged and the merged model compute the same)."""
+    """The parameter plus the deltas, in its dtype as a merge adds them: unmerged and merged compute the same."""
 
     def __init__(self, transposed: bool, placements: tuple[Placement, ...], deltas: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
@@ -225,8 +197,7 @@ class _DeltasAdded(nn.Module):
 
 
 class _AddedAtPlacements(torch.autograd.Function):
-    """`merged_copy` whose backward keeps nothing (autograd's would keep the index tensors): it samples the incoming
-    dense gradient at each placement."""
+    """`merged_copy` whose backward keeps nothing (autograd's keeps int64 indices): it samples the dense gradient."""
 
     @staticmethod
     def forward(ctx, weight, placements, *deltas):
@@ -241,8 +212,7 @@ class _AddedAtPlacements(torch.autograd.Function):
 
 
 def expert_projections(model: nn.Module) -> list[tuple[str, str]]:
-    """The model's MoE expert weights that are projections of the paper's set: (e.g. 'experts.gate_up_proj', full
-    name) for every 3-D parameter named in EXPERT_PROJECTIONS."""
+    """(e.g. 'experts.gate_up_proj', full name) of every 3-D parameter named in EXPERT_PROJECTIONS."""
     return [
         (".".join(name.split(".")[-2:]), name)
         for name, param in parameters_without_wrappers(model)

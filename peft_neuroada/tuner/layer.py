@@ -1,8 +1,7 @@
 """NeuroAda layers: a frozen linear layer plus k trainable deltas per neuron, `y = base(x) + (P ⊙ Θ) x`.
 
-`NeuroAdaLayer` holds each adapter's state (deltas and index buffers) and selects inputs; `Linear` writes out its
-forward, merge and unmerge. The bypass's products are forward.py's. A layer calls a few components at named points
-(`NeuroAdaLayer.COMPONENTS`): the plain ones here, and a layer may be
+`NeuroAdaLayer` holds each adapter's deltas and indices and selects inputs; `Linear` writes out forward, merge and
+unmerge. A layer calls components at named points (`NeuroAdaLayer.COMPONENTS`), the plain ones here unless it is
 given others (faster products, a cache, checks), as LoRA's layer calls its variants.
 """
 
@@ -27,8 +26,7 @@ from .config import DTYPES, NeuroAdaConfig
 from .forward import Placement, placed_entries, write_placed_
 from .selection import layer_generator, select_inputs, select_neurons
 
-# Small but clearly non-zero, so tests with `init_weights=False` see the adapter's effect in any dtype.
-_TEST_INIT_STD = 0.05
+_TEST_INIT_STD = 0.05  # clearly non-zero in any dtype, for tests with `init_weights=False`
 LOAD_WEIGHTS_HINT = (
     "NeuroAda selects each neuron's inputs from the base weights, so they must be in memory: load the model without "
     "offloading (or load it quantized, or on the CPU), add the adapter, and then offload the PeftModel (accelerate)."
@@ -48,8 +46,8 @@ def unreadable_weight(base: nn.Module) -> str | None:
 
 
 class QuantizedWeight:
-    """A quantized base layer seen as its dequantized (d_out, d_in) float32 weight, through peft's backend
-    (`get_base_weight`); `replace` quantizes a merged weight again (`set_base_weight`), `snapshot` puts it back."""
+    """A quantized base as its dequantized (d_out, d_in) float32 weight through peft's backend (`get_base_weight`);
+    `replace` quantizes a merged weight again (`set_base_weight`), `snapshot` puts the quantized one back."""
 
     dtype = torch.float32
 
@@ -61,7 +59,6 @@ class QuantizedWeight:
 
     @classmethod
     def of(cls, layer: NeuroAdaLayer) -> QuantizedWeight | None:
-        """The view of `layer`'s base (None for a float weight, or torchao without its config)."""
         backend = layer.quantization_backend or layer.resolved_backend()
         return None if backend is None else cls(layer, backend)
 
@@ -84,13 +81,14 @@ class QuantizedWeight:
         self.layer.set_base_weight(weight.to(self.stored_dtype))
 
     def snapshot(self) -> Callable[[], None]:
-        """What puts the quantized weight (and its quantization state) back as it is now."""
+        """What puts the quantized weight and its state back as they are now (a backend may replace the module, as
+        HQQ's does, and peft's requantizing marks the replaced weight unquantized)."""
         layer, base, weight = self.layer, self.base, self.base.weight
         state = {name: copy.copy(vars(base)[name]) for name in ("state", "quant_state") if name in vars(base)}
-        weight_state = dict(vars(weight))  # peft's requantizing marks the replaced weight unquantized
+        weight_state = dict(vars(weight))
 
         def restore() -> None:
-            layer.base_layer = base  # (a backend may have replaced the module, as HQQ's does)
+            layer.base_layer = base
             vars(weight).update(weight_state)
             base.weight = weight
             for name, value in state.items():
@@ -100,9 +98,8 @@ class QuantizedWeight:
 
 
 class NeuroAdaLayer(BaseTunerLayer):
-    """Adapter state of one layer, per adapter name: `neuroada_delta` (n, k) trainable values at input columns
-    `placement(name).cols` (n, k) of the n tuned neurons, held as (n, k) int32 in `neuroada_indices`;
-    `neuroada_rows` (n,) lists those neurons only when not all d_out of them are tuned."""
+    """Per adapter: `neuroada_delta` (n, k) trainable values at the input columns `neuroada_indices` (n, k) int32 of
+    the n tuned neurons; `neuroada_rows` (n,) names those neurons when not all d_out are tuned."""
 
     adapter_layer_names = ("neuroada_delta",)
     other_param_names = ("neuroada_indices", "neuroada_rows", "neuroada_dropout", "init_weights", "delta_dtype")
@@ -124,7 +121,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.neuroada_dropout = nn.ModuleDict({})
         self.init_weights: dict[str, bool] = {}
         self.delta_dtype: dict[str, torch.dtype] = {}  # per adapter whose config fixes the deltas' dtype
-        # Per merged adapter, what unmerge writes back: the entries it overwrote, or (quantized) the replaced weight.
+        # Per merged adapter what unmerge writes back: the entries it overwrote, or the replaced quantized weight.
         self._merge_originals: dict[str, tuple[Placement, torch.Tensor]] = {}
         self._quantized_originals: dict[str, Callable[[], None]] = {}
         self.get_apply_tensor_subclass = kwargs.get("get_apply_tensor_subclass")  # for a torchao base's backend
@@ -138,7 +135,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.in_features, self.out_features = self.in_out_features()
 
     def resolved_backend(self) -> Any:
-        """peft's quantization backend for the base layer (None: a float weight, or torchao without its config)."""
+        """peft's quantization backend of the base layer (None: a float weight, or torchao without its config)."""
         try:
             return resolve_quantization_backend(
                 self.get_base_layer(), get_apply_tensor_subclass=self.get_apply_tensor_subclass
@@ -147,7 +144,6 @@ class NeuroAdaLayer(BaseTunerLayer):
             return None
 
     def in_out_features(self) -> tuple[int, int]:
-        """d_in and d_out of the frozen weight (every neuron a row)."""
         return _get_in_out_features(self.get_base_layer())
 
     def weight_out_in(self) -> torch.Tensor:
@@ -156,7 +152,6 @@ class NeuroAdaLayer(BaseTunerLayer):
         return weight.T if self.fan_in_fan_out else weight
 
     def quantized(self) -> Any:
-        """The base layer seen as its dequantized weight (None for a plain float weight)."""
         return self.quantized_view(self)
 
     def unreadable(self) -> str | None:
@@ -166,7 +161,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         return unreadable_weight(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
-        """The (d_out, d_in) weight without merged adapters (a copy while some are): selection reads base weights."""
+        """The (d_out, d_in) weight without merged adapters (a copy while some are), as selection reads it."""
         weight = self.weight_out_in()
         if not self._merge_originals:
             return weight
@@ -176,13 +171,13 @@ class NeuroAdaLayer(BaseTunerLayer):
         return weight
 
     def _merged_entries(self, name: str, weight: torch.Tensor) -> tuple[Placement, torch.Tensor]:
-        """Where a merged adapter sits and what it overwrote, as `weight` is now (it may have been cast or moved)."""
+        """Where a merged adapter sits and what it overwrote, on `weight`'s device and dtype (it may have moved)."""
         placement, originals = self._merge_originals[name]
         return placement.copy(weight.device), originals.to(device=weight.device, dtype=weight.dtype)
 
     def update_layer(self, adapter_name: str, config: NeuroAdaConfig, layer_name: str = "", **kwargs: Any) -> None:
-        """Add an adapter: select each neuron's inputs on the frozen weight and create its deltas. `layer_name` (the
-        module's name in the model) seeds random choices, so every process picks the same ones."""
+        """Select each neuron's inputs on the frozen weight and create the adapter's deltas. `layer_name`, the module's
+        name, seeds random choices: every process picks the same ones."""
         k, self.layer_name = min(config.k, self.in_features), layer_name or self.layer_name
         if k < config.k:
             kind = type(self.get_base_layer()).__name__
@@ -207,8 +202,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         self.set_adapter(self.active_adapters, inference_mode=config.inference_mode)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: torch.device | None = None) -> None:
-        """peft's, which also casts float adapter tensors to the base layer's dtype; deltas whose dtype the config
-        fixes (`delta_dtype`) keep it, wherever peft moves them (creation, and `low_cpu_mem_usage` loads)."""
+        """peft's, which casts float adapter tensors to the base's dtype; deltas of a fixed `delta_dtype` keep it."""
         dtype = self.delta_dtype.get(adapter_name)
         delta = self.neuroada_delta.get(adapter_name) if dtype is not None else None
         super()._move_adapter_to_device_of_base_layer(adapter_name, device)
@@ -217,8 +211,7 @@ class NeuroAdaLayer(BaseTunerLayer):
             self.neuroada_delta[adapter_name] = nn.Parameter(moved, requires_grad=delta.requires_grad)
 
     def _select(self, adapter_name: str, config: NeuroAdaConfig, k: int) -> tuple[int, torch.dtype]:
-        """Choose the neurons and k inputs each (`STRATEGIES[config.selection]`); returns how many neurons, and the
-        dtype the weight was read in."""
+        """Choose the neurons and k inputs each; returns how many neurons, and the dtype the weight was read in."""
         generator = layer_generator(config.selection_seed, self.layer_name)
         rows = select_neurons(self.out_features, config.neuron_fraction, generator)
         quantized = self.quantized()
@@ -236,7 +229,7 @@ class NeuroAdaLayer(BaseTunerLayer):
         return delta if self.init_weights[adapter_name] else delta.normal_(std=_TEST_INIT_STD)
 
     def placement(self, adapter_name: str) -> Placement:
-        """Where the adapter's deltas sit: its (n, k) columns and its rows (the `placements` component's answer)."""
+        """Where the adapter's deltas sit (the `placements` component's answer)."""
         return self.placements(self, adapter_name)
 
     def _weight_writes(self, weight: torch.Tensor) -> AbstractContextManager:
@@ -253,44 +246,35 @@ class NeuroAdaLayer(BaseTunerLayer):
         if self.merge_check is not None:
             self.merge_check(self, check_adapters_to_merge(self, adapter_names))
 
-    def _merge_entries(self, name: str, safe_merge: bool) -> None:
-        """Add one adapter's deltas into a float weight, keeping the entries they overwrite."""
-        weight, placement = self.weight_out_in(), self.placement(name)
+    def _merge_adapter(self, name: str, safe_merge: bool) -> None:
+        """Add one adapter's deltas into the weight, keeping what they overwrite. A quantized weight is dequantized,
+        added to and quantized again through peft's backend (rounded to its grid, as LoRA's merge)."""
+        quantized, placement = self.quantized(), self.placement(name)
+        weight = self.weight_out_in() if quantized is None else quantized.dense()
         originals = placed_entries(weight, placement)
         merged = originals + self.neuroada_delta[name].detach().to(originals.dtype)
-        self._check_finite(name, merged, safe_merge)
-        self._merge_originals[name] = (placement.copy(), originals)
-        self.merged_adapters.append(name)
-        write_placed_(weight, placement, merged)
-
-    def _merge_requantized(self, name: str, safe_merge: bool) -> None:
-        """Add one adapter's deltas into a quantized weight: dequantized, added to and quantized again through
-        peft's backend (rounded to its grid, as LoRA's merge); the replaced weight is kept for unmerge."""
-        quantized, placement = self.quantized(), self.placement(name)
-        weight = quantized.dense()
-        merged = placed_entries(weight, placement) + self.neuroada_delta[name].detach().to(weight.dtype)
-        self._check_finite(name, merged, safe_merge)
-        warnings.warn(
-            f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to rounding "
-            f"errors: the merged weight is quantized again (unmerge restores the original exactly). "
-            f"{FULL_PRECISION_HINT}",
-            stacklevel=3,
-        )
-        self._quantized_originals[name] = quantized.snapshot()
-        self.merged_adapters.append(name)
-        write_placed_(weight, placement, merged)
-        quantized.replace(weight)
-
-    def _check_finite(self, name: str, merged: torch.Tensor, safe_merge: bool) -> None:
         if safe_merge and not torch.isfinite(merged).all():
             raise ValueError(
                 f"NaNs detected in the merged weights. The adapter {name} seems to be broken: merging it would put "
                 "NaN/inf values into the base weight (check the training loss and learning rate)."
             )
+        if quantized is None:
+            self._merge_originals[name] = (placement.copy(), originals)
+        else:
+            warnings.warn(
+                f"Merge NeuroAda deltas into a {quantized.kind} layer may get different generations due to rounding "
+                f"errors: the merged weight is quantized again (unmerge restores the original exactly). "
+                f"{FULL_PRECISION_HINT}",
+                stacklevel=3,
+            )
+            self._quantized_originals[name] = quantized.snapshot()
+        self.merged_adapters.append(name)
+        write_placed_(weight, placement, merged)
+        if quantized is not None:
+            quantized.replace(weight)
 
     def unmerge_to(self, count: int) -> None:
-        """Unmerge the latest merged adapters until `count` remain, all or nothing: each writes back exactly what its
-        merge replaced."""
+        """Unmerge the latest adapters until `count` remain, each writing back what it replaced; all or nothing."""
         weight, undone = self.weight_out_in(), []
         try:
             with self._weight_writes(weight):
@@ -314,15 +298,15 @@ class NeuroAdaLayer(BaseTunerLayer):
             raise
 
     def offloaded_containers(self) -> list[nn.Module]:
-        """The adapter's containers accelerate hooked (offloading the PeftModel after the adapter was added)."""
+        """The adapter's containers accelerate hooked (the PeftModel offloaded after the adapter was added)."""
         containers = [self.neuroada_delta, self.neuroada_indices, self.neuroada_rows]
         return [container for container in containers if "_hf_hook" in vars(container)]
 
 
 @contextmanager
 def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
-    """accelerate's hooks of `containers` run around the block as around a call. Not peft's `onload_layer`, which
-    also onloads the base layer and writes a disk-offloaded one back: right for a merge, a needless write per call."""
+    """accelerate's hooks of `containers` around the block, as around a call. Not peft's `onload_layer` (a merge's):
+    it also rebuilds the base layer's offloaded weights, and writes a disk-offloaded one back, at every call."""
     for container in containers:
         container._hf_hook.pre_forward(container)
     try:
@@ -333,8 +317,8 @@ def onloaded(containers: Sequence[nn.Module]) -> Iterator[None]:
 
 
 class Linear(nn.Module, NeuroAdaLayer):
-    """NeuroAda around `nn.Linear` (weight d_out x d_in), transformers' `Conv1D` (weight d_in x d_out), or a quantized
-    linear layer peft has a quantization backend for."""
+    """NeuroAda around `nn.Linear`, transformers' `Conv1D` (weight d_in x d_out), or a quantized linear layer peft has
+    a quantization backend for."""
 
     def __init__(
         self,
@@ -365,8 +349,7 @@ class Linear(nn.Module, NeuroAdaLayer):
         return self._with_adapters(x, active, *args, **kwargs)
 
     def _with_adapters(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """`base(x) + Σ (P ⊙ Θ) dropout(x)` over `adapters` (or the `merged_forward` component's equal, where no
-        dropout acts)."""
+        """`base(x) + Σ (P ⊙ Θ) dropout(x)`, or the `merged_forward` component's equal where no dropout acts."""
         offloaded = self.offloaded_containers()
         with onloaded(offloaded) if offloaded else nullcontext():
             placements = [self.placement(name) for name in adapters]
@@ -379,7 +362,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             return forward.add_bypasses(result, inputs, placements, deltas, self.kernels, self._frozen())
 
     def _frozen(self) -> list[torch.Tensor]:
-        """The base layer's frozen tensors (whether a `torch.func` transform follows them decides the path)."""
+        """The base layer's tensors (a `torch.func` transform following them decides the path)."""
         base = self.get_base_layer()
         return [t for t in (getattr(base, "weight", None), getattr(base, "bias", None)) if isinstance(t, torch.Tensor)]
 
@@ -394,7 +377,7 @@ class Linear(nn.Module, NeuroAdaLayer):
             raise ValueError(
                 "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
             )
-        if not adapter_names:  # no rows: the base layer's empty output, shaped and typed as LoRA's
+        if not adapter_names:  # no rows: the base layer's empty output, as LoRA's
             return self.base_layer(x, *args, **kwargs)
         rows_of: dict[str, list[int]] = {}
         for row, name in enumerate(adapter_names):
@@ -424,10 +407,7 @@ class Linear(nn.Module, NeuroAdaLayer):
         try:
             with self._weight_writes(self.weight_out_in()):
                 for name in names:
-                    if self.quantized() is None:
-                        self._merge_entries(name, safe_merge)
-                    else:
-                        self._merge_requantized(name, safe_merge)
+                    self._merge_adapter(name, safe_merge)
         except BaseException:
             self.unmerge_to(merged_before)
             raise
@@ -446,8 +426,7 @@ class Linear(nn.Module, NeuroAdaLayer):
         return dense.T if self.fan_in_fan_out else dense
 
     def supports_lora_conversion(self, adapter_name: str = "default") -> bool:
-        """NeuroAda is additive, so `peft.tuners.lora.convert_to_lora` approximates it by the delta's SVD (the sparse
-        delta's rank is not small: a converted adapter keeps only part of it)."""
+        """Additive, so `convert_to_lora` approximates it by the delta's SVD (keeping part of the sparse delta)."""
         return True
 
     def _get_additive_delta(self, adapter_name: str = "default") -> torch.Tensor:
@@ -461,5 +440,4 @@ class Linear(nn.Module, NeuroAdaLayer):
 
 
 def _drops(dropout: nn.Module) -> bool:
-    """Whether `dropout` changes its input now (a dropout module in training)."""
     return isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0

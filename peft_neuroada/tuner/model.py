@@ -1,5 +1,5 @@
-"""NeuroAdaModel: wires NeuroAda layers into a model (linear layers, and expert parameters through
-`target_parameters`), and serves mixed batches as LoRA's model does."""
+"""NeuroAdaModel: NeuroAda layers in a model's linear layers and, through `target_parameters`, expert parameters;
+mixed batches served as LoRA's model serves them."""
 
 from __future__ import annotations
 
@@ -40,22 +40,6 @@ class MixedBatch(NamedTuple):
 
     def for_layer(self, layer: nn.Module) -> list[str]:
         return self.encoder_names if id(layer) in self.encoder_layers else self.names
-
-
-@contextmanager
-def names_handed_to(modules: list[nn.Module], mixed: MixedBatch) -> Iterator[None]:
-    """Within the block, a forward pre-hook on each of `modules` hands it its rows' adapter names, as LoRA's does."""
-    hooks = [
-        module.register_forward_pre_hook(
-            partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
-        )
-        for module in modules
-    ]
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 class NeuroAdaModel(BaseTuner):
@@ -194,14 +178,19 @@ class NeuroAdaModel(BaseTuner):
         if mixed is None:
             yield
             return
-        # (a layer given a `mixed_batch_names` component reads the names itself)
-        receivers = [
-            m
-            for m in self.model.modules()
-            if isinstance(m, AuxiliaryTrainingWrapper) or (isinstance(m, Linear) and m.mixed_batch_names is None)
+        hooks = [  # (a layer given a `mixed_batch_names` component reads the names itself)
+            module.register_forward_pre_hook(
+                partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
+            )
+            for module in self.model.modules()
+            if isinstance(module, AuxiliaryTrainingWrapper)
+            or (isinstance(module, Linear) and module.mixed_batch_names is None)
         ]
-        with names_handed_to(receivers, mixed):
+        try:
             yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _mixed_batch(self, adapter_names: list[str] | None, num_beams: Any) -> MixedBatch | None:
         """The call's `adapter_names` checked, with what beam search repeats (None: no mixed batch)."""
