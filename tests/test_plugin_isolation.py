@@ -38,9 +38,9 @@ def recorded_save_targets(model, directory: Path, monkeypatch) -> list[str]:
 
 
 def test_other_methods_save_exactly_as_peft_alone_does(tmp_path, monkeypatch):
+    neuroada = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1))  # (first: the plugin routes peft's saving now)
     lora = get_peft_model(tiny_llama(), LoraConfig(target_modules=["q_proj"]))
     assert recorded_save_targets(lora, tmp_path / "lora", monkeypatch) == ["adapter_model.safetensors"]
-    neuroada = get_peft_model(tiny_llama(), NeuroAdaConfig(k=1))
     (target,) = recorded_save_targets(neuroada, tmp_path / "neuroada", monkeypatch)
     assert target.endswith(".partial")  # written aside, then renamed into place
 
