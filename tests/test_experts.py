@@ -302,6 +302,15 @@ def test_offloading_an_unmerged_expert_adapter_is_refused_naming_offloading_and_
     torch.testing.assert_close(logits(merged, TOKENS), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_merge_into_offloaded_expert_weights_is_refused_naming_the_model_s_merge():
+    model = quiet_peft_model(tiny("mixtral"), NeuroAdaConfig(k=2, init_weights=False))
+    accelerate.cpu_offload(model, execution_device="cpu")
+    wrapper = next(iter(expert_wrappers(model).values()))
+    with pytest.raises(ValueError, match=r"meta device.*merge_adapter\(\)"):
+        wrapper.merge()
+    assert wrapper.merged_adapters == [] and not wrapper._merge_originals
+
+
 @pytest.mark.parametrize("model_type", MOE)
 def test_budgets_count_every_neuron_of_every_expert_as_the_adapter_creates_them(model_type):
     shapes = targeted_shapes(tiny(model_type), NeuroAdaConfig(k=3))

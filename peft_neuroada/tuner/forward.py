@@ -1,8 +1,9 @@
 """Where an adapter's deltas sit (`Placement`), and how a layer computes `y = base(x) + Σ (P ⊙ Θ) x`: the base layer's
 own call plus one sparse product per adapter (`SparseBypass`), never a dense weight or delta. The products (`Kernels`)
 are plain torch accumulated in float32 (float64 where an operand is); a layer may be given faster ones. Backward keeps
-the input (or only the columns the deltas read) and the deltas; gradients are exact at every order. Without
-gradients, under forward-mode AD or a `torch.func` transform: plain torch operations.
+the input (or only the columns the deltas read) and the deltas; the deltas' gradient is the tuned neurons' dense
+float32 weight gradient, gathered at the placement and freed. Gradients are exact at every order. Without gradients,
+under forward-mode AD or a `torch.func` transform: plain torch operations.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Placement(NamedTuple):
         return self._replace(neurons=neurons)
 
     def copy(self, device: torch.device | None = None) -> Placement:
-        """A copy owning its indices (a merge's record must not follow later writes), moved to `device` if given."""
+        """A copy owning its indices (a merge's record must not follow later writes); with `device`, the indices on
+        that device (a record's own where they already are)."""
         copy = (lambda t: t.clone()) if device is None else (lambda t: t.to(device))
         return Placement(copy(self.cols), None if self.rows is None else copy(self.rows))
 

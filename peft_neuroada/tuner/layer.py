@@ -402,7 +402,11 @@ class Linear(nn.Module, NeuroAdaLayer):
             return
         self.check_mergeable(names)
         if self.quantized() is None and self.weight_out_in().is_meta:  # (offloaded: `onload_layer` brings it back)
-            raise ValueError(f"Cannot merge NeuroAda deltas into a weight on the meta device. {LOAD_WEIGHTS_HINT}")
+            raise ValueError(
+                "Cannot merge NeuroAda deltas into a weight on the meta device (offloaded, or not loaded). Merge "
+                "through the model (`merge_adapter()` or `merge_and_unload()`), which brings an offloaded weight back "
+                "first, or load the base model without offloading."
+            )
         merged_before = len(self.merged_adapters)
         try:
             with self._weight_writes(self.weight_out_in()):
