@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -250,13 +250,11 @@ class NeuroAdaPluginModel(tuner_model.NeuroAdaModel):
                 module.placements.forget(set(module.neuroada_delta))
 
     @contextmanager
-    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """The tuner's mixed batches (`adapter_names=[...]` in forward/generate), with the batch this thread serves
-        made known to the plugin's layers (their `mixed_batch_names` component reads it from a context variable), so
-        concurrent calls in other threads are unaffected; peft's `modules_to_save` wrappers get the names through
-        forward pre-hooks, as with LoRA."""
-        mixed = self._mixed_batch(kwargs.get("adapter_names"), kwargs.get("num_beams"))
-        with super()._enable_peft_forward_hooks(*args, **kwargs), layers.serving(mixed) if mixed else nullcontext():
+    def _serving(self, mixed: tuner_model.MixedBatch) -> Iterator[None]:
+        """The tuner's mixed batch, made known to this thread's layers too (their `mixed_batch_names` component reads
+        it from a context variable), so concurrent calls in other threads are unaffected; peft's `modules_to_save`
+        wrappers get the names through the tuner's forward pre-hooks, as with LoRA."""
+        with super()._serving(mixed), layers.serving(mixed):
             yield
 
 

@@ -172,12 +172,17 @@ class NeuroAdaModel(BaseTuner):
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        """Mixed batches (`adapter_names=[...]` in forward/generate) as LoRA's: pre-hooks hand each layer its rows'
-        adapter names."""
+        """Mixed batches (`adapter_names=[...]` in forward/generate) as LoRA's."""
         mixed = self._mixed_batch(kwargs.pop("adapter_names", None), kwargs.get("num_beams"))
         if mixed is None:
             yield
             return
+        with self._serving(mixed):
+            yield
+
+    @contextmanager
+    def _serving(self, mixed: MixedBatch) -> Iterator[None]:
+        """Within the block, forward pre-hooks hand each layer its rows' adapter names, as LoRA's do."""
         hooks = [  # (a layer given a `mixed_batch_names` component reads the names itself)
             module.register_forward_pre_hook(
                 partial(_adapter_names_pre_forward_hook, adapter_names=mixed.for_layer(module)), with_kwargs=True
