@@ -711,11 +711,12 @@ def count_texts(patch: str, release: Release) -> dict[str, str]:
         ),
         "sizes": sizes_text(counts),
         "tuner": tuner_sizes(),
+        "features": feature_sizes(),
     }
 
 
-def code_lines(source: str) -> int:
-    """Lines of `source` that are code: not blank, not a comment alone, not in a docstring."""
+def code_line_numbers(source: str) -> set[int]:
+    """Numbers of the lines of `source` that are code: not blank, not a comment alone, not in a docstring."""
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and ast.get_docstring(node) is not None:
@@ -723,7 +724,95 @@ def code_lines(source: str) -> int:
     lines = source.splitlines()
     alone = {number for number, line in enumerate(lines, 1) if line.strip().startswith("#")}
     blank = {number for number, line in enumerate(lines, 1) if not line.strip()}
-    return len(lines) - len(docstrings | alone | blank)
+    return set(range(1, len(lines) + 1)) - docstrings - alone - blank
+
+
+def code_lines(source: str) -> int:
+    return len(code_line_numbers(source))
+
+
+# What the tuner holds beyond adapting a linear layer, by its definitions ("file.py" whole, or "file.py:name" of a
+# module-level class, function or constant, "file.py:Class.method" of a method): docs/design.md shows what each costs.
+FEATURES: dict[str, tuple[str, ...]] = {
+    "MoE experts (`target_parameters`, `ParamWrapper`)": (
+        "experts.py",
+        "model.py:NeuroAdaModel._check_new_adapter_config",
+    ),
+    "mixed batches (`adapter_names`)": (
+        "model.py:BASE_ADAPTER_NAME",
+        "model.py:MIXED_BATCH_REFUSAL",
+        "model.py:MixedBatch",
+        "model.py:NeuroAdaModel._enable_peft_forward_hooks",
+        "model.py:NeuroAdaModel._serving",
+        "model.py:NeuroAdaModel._mixed_batch",
+        "layer.py:Linear._mixed_batch_forward",
+    ),
+    "quantized bases (read and requantized through peft's backends)": (
+        "layer.py:FULL_PRECISION_HINT",
+        "layer.py:QuantizedWeight",
+        "layer.py:NeuroAdaLayer.resolved_backend",
+        "layer.py:NeuroAdaLayer.quantized",
+    ),
+    "offloading (accelerate's hooks per call)": ("layer.py:onloaded", "layer.py:NeuroAdaLayer.offloaded_containers"),
+    "`delta_dtype`": (
+        "config.py:DTYPES",
+        "layer.py:NeuroAdaLayer._move_adapter_to_device_of_base_layer",
+        "model.py:NeuroAdaModel._cast_adapter_dtype",
+    ),
+    "default targets per architecture": (
+        "config.py:LLAMA_STYLE_TARGETS",
+        "config.py:TRANSFORMERS_MODELS_TO_NEUROADA_TARGET_MODULES_MAPPING",
+    ),
+    "every config field checked by name": (
+        "config.py:_is_int",
+        "config.py:_is_none_or_names",
+        "config.py:NeuroAdaConfig._check_fields",
+    ),
+}
+
+
+def definition_lines(source: str, name: str) -> set[int]:
+    """The line numbers of the definition `name` in `source` (decorators included); refuses a name it lacks, so the
+    table cannot go stale silently."""
+    body = ast.parse(source).body
+    for part in name.split("."):
+        found = [
+            node
+            for node in body
+            if getattr(node, "name", None) == part
+            or any(
+                getattr(target, "id", None) == part
+                for target in getattr(node, "targets", [getattr(node, "target", None)])
+            )
+        ]
+        if len(found) != 1:
+            raise ValueError(f"FEATURES names {name!r}, which the tuner does not define once; update the table")
+        node, body = found[0], getattr(found[0], "body", [])
+    start = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", []))])
+    return set(range(start, node.end_lineno + 1))
+
+
+def feature_sizes() -> str:
+    """Each of FEATURES by lines, in all and of code, and the tuner without them, as docs/design.md shows them."""
+    sources = {path.name: path.read_text() for path in sorted(TUNER.glob("*.py"))}
+    held: dict[str, set[tuple[str, int]]] = {}
+    for feature, definitions in FEATURES.items():
+        held[feature] = set()
+        for definition in definitions:
+            file, _, name = definition.partition(":")
+            lines = (
+                definition_lines(sources[file], name) if name else set(range(1, len(sources[file].splitlines()) + 1))
+            )
+            held[feature] |= {(file, number) for number in lines}
+    code = {(file, number) for file, source in sources.items() for number in code_line_numbers(source)}
+    everything = {
+        (file, number) for file, source in sources.items() for number in range(1, len(source.splitlines()) + 1)
+    }
+    table = ["| what | lines | of code |", "|---|---:|---:|"]
+    table += [f"| {feature} | {len(lines):,} | {len(lines & code):,} |" for feature, lines in held.items()]
+    rest = everything - set().union(*held.values())
+    table.append(f"| the tuner without these | {len(rest):,} | {len(rest & code):,} |")
+    return "\n".join(table)
 
 
 def tuner_sizes() -> str:

@@ -1,13 +1,15 @@
 """Counts that describe code are written by the script that builds the patch, or checked by a spec, so that no page
 states a stale one: docs/upstream.md's marked blocks (the patch's lines and files, the tuner model's overrides) and
-docs/design.md's (the tuner's size) are what benchmarks/upstream_patch.py writes for the committed patch and tuner, and
-no other page repeats the patch's counts. (Whether the
-committed patch is today's, and the counts of peft's test cases, are tests/test_peft_upstream_suite.py's.)"""
+docs/design.md's (the tuner's size, by file and by feature) are what benchmarks/upstream_patch.py writes for the
+committed patch and tuner, and no other page repeats the patch's counts. (Whether the committed patch is today's,
+and the counts of peft's test cases, are tests/test_peft_upstream_suite.py's.)"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 from peft_neuroada.tuner.model import NeuroAdaModel
 
@@ -26,6 +28,14 @@ def test_upstream_md_s_counts_are_those_of_the_committed_patch_and_tuner(upstrea
         )
     assert "<!-- counts:sizes -->" in upstream_patch.ISSUE_DOC.read_text()
     assert "<!-- counts:tuner -->" in upstream_patch.DESIGN_DOC.read_text()
+    assert "<!-- counts:features -->" in upstream_patch.DESIGN_DOC.read_text()
+
+
+def test_the_feature_table_refuses_a_definition_the_tuner_no_longer_has(upstream_patch):
+    source = (upstream_patch.TUNER / "layer.py").read_text()
+    assert upstream_patch.definition_lines(source, "Linear._mixed_batch_forward")
+    with pytest.raises(ValueError, match="does not define once"):
+        upstream_patch.definition_lines(source, "Linear._renamed_mixed_batch_forward")
 
 
 def test_the_override_table_gives_a_reason_for_every_override(upstream_patch):
