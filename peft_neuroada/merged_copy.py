@@ -168,15 +168,27 @@ def copied_linear(
 
 
 def merged_forward(
-    layer: nn.Module, x: torch.Tensor, placements: Sequence[Placement], deltas: Sequence[torch.Tensor], *args, **kwargs
+    layer: nn.Module,
+    x: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    placements: Sequence[Placement],
+    deltas: Sequence[torch.Tensor],
+    *args,
+    **kwargs,
 ) -> torch.Tensor:
-    """A NeuroAda linear layer's `base(x) + Σ (P ⊙ Θ) x` (its `merged_forward` component): on the merged copy where it
-    can stand in, else the base layer's call plus the bypass of the deltas as the copy would round them."""
+    """A NeuroAda linear layer's `base(x) + Σ (P ⊙ Θ) input` (its `merged_forward` component; each adapter's input is
+    `x` unless dropout acts on it): on the merged copy where it can stand in, else the base layer's call plus the
+    bypass of the deltas as the copy would round them, so training with dropout adds what the merged model holds."""
     base, weight = layer.get_base_layer(), layer.weight_out_in()
-    refusal = "extra arguments for the base layer" if args or kwargs else copy_refusal(base, weight, x)
+    if args or kwargs:
+        refusal = "extra arguments for the base layer"
+    elif any(given is not x for given in inputs):
+        refusal = "dropout acts on the deltas' input, which the copy cannot drop apart from the frozen layer's"
+    else:
+        refusal = copy_refusal(base, weight, x)
     if refusal is None:
         return copied_linear(base, weight, x, placements, deltas, layer.kernels)
     if _weight_problem(base, weight) is None:  # the base layer computes with `weight`: round as the copy does
         deltas = rounded_deltas(weight, placements, deltas)
     result = base(x, *args, **kwargs)
-    return add_bypasses(result, [x] * len(deltas), placements, deltas, layer.kernels, layer._frozen())
+    return add_bypasses(result, inputs, placements, deltas, layer.kernels, layer._frozen())

@@ -1,7 +1,8 @@
 """`neuroada_dropout`, as LoRA's `lora_dropout`: in training, the deltas read a dropped-out copy of the input while the
 frozen layer reads it whole, `y = W x + b + (P ⊙ Θ) dropout(x)`; out of training, or at 0, nothing is dropped. Exact
 against a dense reference drawing the same mask, with the gradients of the input and the deltas, on the tuner's layer
-and the plugin's, on a linear layer and a Conv1D, on all neurons or a share."""
+and the plugin's, on a linear layer and a Conv1D, on all neurons or a share; on a narrow base the plugin's layer adds
+the deltas as a merge rounds them, with dropout as without."""
 
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ def test_out_of_training_nothing_is_dropped_and_the_merged_layer_computes_the_sa
     torch.testing.assert_close(unmerged, reference(layer, x, x)[0])
     layer.merge()
     torch.testing.assert_close(layer(x), unmerged)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_on_a_narrow_base_the_plugin_adds_the_deltas_a_merge_would_hold_with_dropout_too(dtype):
+    """As without dropout (tests/test_math.py): deltas of 0.45 of a step, which a merge rounds away, change nothing in
+    training either, so the model trains on what the merged model holds; their gradient passes the rounding."""
+    base = nn.Linear(8, 8, bias=False).to(dtype).requires_grad_(False)
+    nn.init.constant_(base.weight, 1.0)
+    layer = Linear(base, "default", NeuroAdaConfig(k=8, delta_dtype="float32", neuroada_dropout=P)).train()
+    nn.init.constant_(layer.neuroada_delta["default"], 0.45 * torch.finfo(dtype).eps)
+    x = torch.ones(64, 8, dtype=dtype)  # tokens enough for the merged copy, which dropout turns down
+    out = layer(x)
+    assert torch.equal(out, base(x))
+    out.float().sum().backward()
+    assert layer.neuroada_delta["default"].grad.abs().sum() > 0
 
 
 def test_at_zero_the_layer_holds_no_dropout_and_training_is_deterministic():

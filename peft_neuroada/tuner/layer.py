@@ -349,16 +349,17 @@ class Linear(nn.Module, NeuroAdaLayer):
         return self._with_adapters(x, active, *args, **kwargs)
 
     def _with_adapters(self, x: torch.Tensor, adapters: list[str], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """`base(x) + Σ (P ⊙ Θ) dropout(x)`, or the `merged_forward` component's equal where no dropout acts."""
+        """`base(x) + Σ (P ⊙ Θ) dropout(x)`, or the `merged_forward` component's equal (given each adapter's input:
+        `x` itself where no dropout acts)."""
         offloaded = self.offloaded_containers()
         with onloaded(offloaded) if offloaded else nullcontext():
             placements = [self.placement(name) for name in adapters]
             deltas = [self.neuroada_delta[name] for name in adapters]
             dropouts = [self.neuroada_dropout[name] for name in adapters]
-            if self.merged_forward is not None and not any(_drops(dropout) for dropout in dropouts):
-                return self.merged_forward(self, x, placements, deltas, *args, **kwargs)
-            result = self.base_layer(x, *args, **kwargs)
             inputs = [dropout(x) if _drops(dropout) else x for dropout in dropouts]
+            if self.merged_forward is not None:
+                return self.merged_forward(self, x, inputs, placements, deltas, *args, **kwargs)
+            result = self.base_layer(x, *args, **kwargs)
             return forward.add_bypasses(result, inputs, placements, deltas, self.kernels, self._frozen())
 
     def _frozen(self) -> list[torch.Tensor]:
