@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from peft_neuroada import NeuroAdaConfig
+from peft_neuroada.tuner.experts import ParamWrapper
 from peft_neuroada.tuner.forward import input_for_backward
 from peft_neuroada.tuner.layer import NeuroAdaLayer
 from tests.test_moe_layouts import adapted as adapted_moe
@@ -357,6 +358,22 @@ def test_moe_experts_forward_mode_and_second_order_agree_with_reverse_mode_and_f
         return sum((g * direction[name]).sum() for g, name in zip(grads_, leaves_, strict=True))
 
     torch.testing.assert_close(second, central_difference(directional, params, direction, eps=1e-3), rtol=1e-2, atol=0)
+
+
+def test_vmap_over_the_tokens_of_adapted_experts_with_gradients_on_gives_each_token_s_own_output():
+    """`vmap` of the experts' forward with gradients on (the routing given, as transformers' routers are not
+    vmappable): the parametrization's Function runs inside it. The transforms that differentiate through the experts
+    are refused by torch, as LoRA's are (the design page)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = adapted_moe("qwen3_moe", init_weights=False).double()
+    model.config._experts_implementation = "eager"  # (torch's grouped matmul takes no float64)
+    hidden = torch.randn(4, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    route, weights = torch.tensor([[0, 1]]), torch.full((1, 2), 0.5, dtype=torch.float64)
+    experts = next(m for m in model.modules() if isinstance(m, ParamWrapper))  # the outermost of a module's wrappers
+    batched = torch.func.vmap(lambda token: experts(token[None], route, weights)[0])(hidden)
+    each = torch.cat([experts(token[None], route, weights) for token in hidden])
+    torch.testing.assert_close(batched, each, **EXACT)
 
 
 @pytest.mark.parametrize("path", PATHS)

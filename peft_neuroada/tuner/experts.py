@@ -199,10 +199,16 @@ class _DeltasAdded(nn.Module):
 class _AddedAtPlacements(torch.autograd.Function):
     """`merged_copy` whose backward keeps nothing (autograd's keeps int64 indices): it samples the dense gradient."""
 
+    generate_vmap_rule = True  # (`vmap` over the experts' input, with gradients on)
+
     @staticmethod
-    def forward(ctx, weight, placements, *deltas):
-        ctx.placements, ctx.delta_dtypes = placements, [delta.dtype for delta in deltas]
+    def forward(weight, placements, *deltas):
         return merged_copy(weight, placements, deltas)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.placements, *deltas = inputs
+        ctx.delta_dtypes = [delta.dtype for delta in deltas]
 
     @staticmethod
     def backward(ctx, grad):
