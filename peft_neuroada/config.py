@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from peft.config import PeftConfig
@@ -14,10 +14,26 @@ from .atomic_file import commit_config
 from .loading import SavedDeltas, saved_deltas
 from .tuner import config as tuner_config
 
+# LoRA's options a LoRA user reaches for, and NeuroAda's way to the same end.
+LORA_OPTIONS = {
+    "r": "LoRA's rank: NeuroAda's size is k, inputs tuned per neuron, and peft_neuroada.k_for_budget(model, "
+    "NeuroAdaConfig(), lora_rank=r) gives the k of LoRA's parameter count",
+    "lora_alpha": "LoRA's scaling: NeuroAda adds its deltas unscaled; tune the learning rate instead",
+    "lora_dropout": "use neuroada_dropout",
+}
+
 
 @dataclass
 class NeuroAdaPluginConfig(tuner_config.NeuroAdaConfig):
     __doc__ = tuner_config.NeuroAdaConfig.__doc__
+
+    def __new__(cls, *args, **kwargs):
+        """A field it lacks is refused naming the class users import and, for LoRA's options, NeuroAda's way, in
+        Python's words (peft reads them to drop the fields of a newer release from a saved config)."""
+        for name in sorted(kwargs.keys() - {field.name for field in fields(cls)}):
+            hint = f" ({LORA_OPTIONS[name]})" if name in LORA_OPTIONS else ""
+            raise TypeError(f"NeuroAdaConfig got an unexpected keyword argument '{name}'{hint}.")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -117,6 +117,15 @@ def test_invalid_config_is_refused_with_a_specific_message(kwargs, message):
 
 
 @pytest.mark.parametrize(
+    ("option", "hint"),
+    [("r", "k_for_budget"), ("lora_alpha", "unscaled"), ("lora_dropout", "use neuroada_dropout"), ("rank", "")],
+)
+def test_a_field_it_lacks_is_refused_under_the_imported_name_with_neuroada_s_way_for_lora_s(option, hint):
+    with pytest.raises(TypeError, match=rf"^NeuroAdaConfig got an unexpected keyword argument '{option}'.*{hint}"):
+        NeuroAdaConfig(**{option: 8})
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [case for case in INVALID_FIELDS if not isinstance(case[0].get("target_modules"), tuple)],  # JSON has no tuples
 )
