@@ -715,6 +715,10 @@ def count_texts(patch: str, release: Release) -> dict[str, str]:
     }
 
 
+def line_numbers(source: str) -> set[int]:
+    return set(range(1, len(source.splitlines()) + 1))
+
+
 def code_line_numbers(source: str) -> set[int]:
     """Numbers of the lines of `source` that are code: not blank, not a comment alone, not in a docstring."""
     docstrings = set()
@@ -724,7 +728,7 @@ def code_line_numbers(source: str) -> set[int]:
     lines = source.splitlines()
     alone = {number for number, line in enumerate(lines, 1) if line.strip().startswith("#")}
     blank = {number for number, line in enumerate(lines, 1) if not line.strip()}
-    return set(range(1, len(lines) + 1)) - docstrings - alone - blank
+    return line_numbers(source) - docstrings - alone - blank
 
 
 def code_lines(source: str) -> int:
@@ -800,14 +804,10 @@ def feature_sizes() -> str:
         held[feature] = set()
         for definition in definitions:
             file, _, name = definition.partition(":")
-            lines = (
-                definition_lines(sources[file], name) if name else set(range(1, len(sources[file].splitlines()) + 1))
-            )
+            lines = definition_lines(sources[file], name) if name else line_numbers(sources[file])
             held[feature] |= {(file, number) for number in lines}
     code = {(file, number) for file, source in sources.items() for number in code_line_numbers(source)}
-    everything = {
-        (file, number) for file, source in sources.items() for number in range(1, len(source.splitlines()) + 1)
-    }
+    everything = {(file, number) for file, source in sources.items() for number in line_numbers(source)}
     table = ["| what | lines | of code |", "|---|---:|---:|"]
     table += [f"| {feature} | {len(lines):,} | {len(lines & code):,} |" for feature, lines in held.items()]
     rest = everything - set().union(*held.values())
